@@ -1,0 +1,45 @@
+#pragma once
+// Shape and hyper-parameters of a Llama-family decoder (Llama 2, TinyLlama, Qwen2, llama2.c).
+
+#include <cstdint>
+#include <string>
+
+namespace vroll::policy {
+
+/// How rotary embeddings pair up the dimensions of a head.
+///   kInterleaved: pairs (2i, 2i+1), as llama2.c (and Meta's original checkpoints) compute.
+///   kHalfSplit:   pairs (i, i + head_dim/2), "rotate_half" as Hugging Face checkpoints expect.
+/// Both rotate pair i by angle pos * rope_theta^(-2i/head_dim) (RoFormer, Su et al. 2021).
+enum class RopeLayout { kInterleaved, kHalfSplit };
+
+/// Plain config struct; Validate() throws ConfigError naming the bad field.
+struct ModelConfig {
+  int dim = 0;          ///< hidden size (HF hidden_size)
+  int hidden_dim = 0;   ///< SwiGLU inner size (HF intermediate_size)
+  int n_layers = 0;     ///< decoder blocks
+  int n_heads = 0;      ///< query heads
+  int n_kv_heads = 0;   ///< key/value heads; n_heads % n_kv_heads == 0 (grouped-query attention)
+  int vocab_size = 0;   ///< rows of the embedding and of the output head
+  int max_seq_len = 0;  ///< context length in tokens (positions [0, max_seq_len))
+  float norm_eps = 1e-5f;       ///< RMSNorm epsilon: x * rsqrt(mean(x^2) + eps) * w
+  float rope_theta = 10000.0f;  ///< RoPE base
+  RopeLayout rope_layout = RopeLayout::kInterleaved;
+  bool tie_word_embeddings = true;  ///< output head shares the embedding matrix
+  bool attention_bias = false;      ///< q/k/v projections carry biases (Qwen2)
+
+  int head_dim() const { return dim / n_heads; }
+  int kv_dim() const { return head_dim() * n_kv_heads; }
+
+  /// Throws ConfigError naming the first invalid field (dims <= 0, n_heads not dividing dim,
+  /// n_kv_heads not dividing n_heads, odd head_dim, eps/theta not positive). `source` prefixes
+  /// the message (a file name, or "config").
+  void Validate(const std::string& source = "config") const;
+
+  /// Number of parameters (weights) implied by this shape.
+  int64_t NumParameters() const;
+
+  /// One-line human summary, e.g. "dim=64 layers=5 heads=8/4 ...".
+  std::string ToString() const;
+};
+
+}  // namespace vroll::policy
