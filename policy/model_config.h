@@ -31,14 +31,17 @@ struct ModelConfig {
   int kv_dim() const { return head_dim() * n_kv_heads; }
 
   /// Throws ConfigError naming the first invalid field (dims <= 0, n_heads not dividing dim,
-  /// n_kv_heads not dividing n_heads, odd head_dim, eps/theta not positive). `source` prefixes
-  /// the message (a file name, or "config").
+  /// n_kv_heads not dividing n_heads, odd head_dim, eps/theta not positive, a parameter count
+  /// that overflows int64). The message reads "<source> field <name> = <value> <what is wrong>",
+  /// e.g. Validate("/m/x.bin: header") -> "/m/x.bin: header field n_heads = 0 must be > 0".
   void Validate(const std::string& source = "config") const;
 
-  /// Number of parameters (weights) implied by this shape.
+  /// Number of parameters (weights) implied by this shape: the sum of the numel of every entry of
+  /// ExpectedWeightShapes(*this) (a tied lm_head is not counted twice).
+  /// Requires a config that passed Validate() (aborts on int64 overflow).
   int64_t NumParameters() const;
 
-  /// One-line human summary, e.g. "dim=64 layers=5 heads=8/4 ...".
+  /// One-line human summary, e.g. "dim=64 hidden_dim=172 layers=5 heads=8/4 vocab=512 seq=512 ...".
   std::string ToString() const;
 };
 

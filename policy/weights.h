@@ -32,6 +32,7 @@ struct HostTensor {
   std::vector<int64_t> shape;
   std::vector<float> data;
 
+  /// Product of `shape` (1 for an empty shape). Aborts on a negative dim or int64 overflow.
   int64_t numel() const;
 };
 
@@ -44,12 +45,14 @@ struct Checkpoint {
   WeightMap weights;
 };
 
-/// The canonical (name, shape) list a model of `config` has, in a fixed order: embedding, then
-/// per layer as listed above, then the final norm, then lm_head if untied.
+/// The canonical (name, shape) list a model of `config` (which passed Validate()) has, in a fixed
+/// order: embedding, then per layer as listed above, then the final norm, then lm_head if untied.
 std::vector<std::pair<std::string, std::vector<int64_t>>> ExpectedWeightShapes(const ModelConfig& config);
 
-/// Throws LoadError (prefixed with `source`) unless `weights` holds exactly the expected names
-/// with the expected shapes and data sizes.
+/// Throws LoadError (prefixed with `source`, naming the weight) unless `weights` holds exactly the
+/// expected names with the expected shapes and data sizes: "<source>: missing weight <name>",
+/// "... weight <name> has shape [a, b], expected [c, d]", "... holds N values but its shape ...
+/// needs M", "... unexpected weight <name>".
 void ValidateWeights(const ModelConfig& config, const WeightMap& weights, const std::string& source);
 
 }  // namespace vroll::policy
