@@ -1,0 +1,196 @@
+#include "policy/llama_model.h"
+
+#include <cmath>
+#include <stdexcept>
+
+#include <ATen/ATen.h>
+#include <c10/core/InferenceMode.h>
+#include <fmt/format.h>
+
+#include "policy/errors.h"
+#include "policy/logging.h"
+
+namespace vroll::policy {
+
+namespace {
+
+at::Tensor ToTensor(const HostTensor& host, c10::Device device) {
+  // from_blob does not own the memory: clone() makes the tensor own a copy.
+  at::Tensor t = at::from_blob(const_cast<float*>(host.data.data()), host.shape, at::kFloat).clone();
+  return t.to(device);
+}
+
+const HostTensor& Get(const WeightMap& weights, const std::string& name) {
+  auto it = weights.find(name);
+  if (it == weights.end()) throw LoadError(fmt::format("checkpoint has no tensor '{}'", name));
+  return it->second;
+}
+
+}  // namespace
+
+LlamaModel::LlamaModel(const Checkpoint& checkpoint, const ModelOptions& options)
+    : config_(checkpoint.config), device_(options.device), batch_invariant_(options.batch_invariant) {
+  c10::InferenceMode guard;
+  config_.Validate("model config");
+  ValidateWeights(config_, checkpoint.weights, "model");
+  const WeightMap& w = checkpoint.weights;
+  auto load = [&](const std::string& name) { return ToTensor(Get(w, name), device_); };
+
+  embed_ = load("model.embed_tokens.weight");
+  lm_head_ = config_.tie_word_embeddings ? embed_ : load("lm_head.weight");
+  final_norm_ = load("model.norm.weight");
+  for (int i = 0; i < config_.n_layers; ++i) {
+    const std::string p = fmt::format("model.layers.{}.", i);
+    Layer layer;
+    layer.attn_norm = load(p + "input_layernorm.weight");
+    layer.wqkv = at::cat({load(p + "self_attn.q_proj.weight"), load(p + "self_attn.k_proj.weight"),
+                          load(p + "self_attn.v_proj.weight")});
+    if (config_.attention_bias) {
+      layer.bqkv = at::cat({load(p + "self_attn.q_proj.bias"), load(p + "self_attn.k_proj.bias"),
+                            load(p + "self_attn.v_proj.bias")});
+    }
+    layer.wo = load(p + "self_attn.o_proj.weight");
+    layer.ffn_norm = load(p + "post_attention_layernorm.weight");
+    layer.w_gate_up = at::cat({load(p + "mlp.gate_proj.weight"), load(p + "mlp.up_proj.weight")});
+    layer.w_down = load(p + "mlp.down_proj.weight");
+    layers_.push_back(std::move(layer));
+  }
+
+  // RoPE table computed exactly as llama2.c run.c does (float arithmetic), so that greedy
+  // decoding reproduces its token choices: freq_j = 1 / theta^(2j / head_dim), angle = pos * freq_j.
+  const int head_dim = config_.head_dim();
+  const int half = head_dim / 2;
+  at::Tensor cos = at::empty({config_.max_seq_len, half}, at::kFloat);
+  at::Tensor sin = at::empty({config_.max_seq_len, half}, at::kFloat);
+  float* c = cos.data_ptr<float>();
+  float* s = sin.data_ptr<float>();
+  for (int pos = 0; pos < config_.max_seq_len; ++pos) {
+    for (int j = 0; j < half; ++j) {
+      const float freq = 1.0f / std::pow(config_.rope_theta, static_cast<float>(2 * j) / static_cast<float>(head_dim));
+      const float angle = static_cast<float>(pos) * freq;
+      c[pos * half + j] = std::cos(angle);
+      s[pos * half + j] = std::sin(angle);
+    }
+  }
+  rope_cos_ = cos.to(device_);
+  rope_sin_ = sin.to(device_);
+  Logger("policy").info("model ready: {} ({} parameters) on {}", config_.ToString(), config_.NumParameters(),
+                        device_.str());
+}
+
+at::Tensor LlamaModel::Linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias) const {
+  const int64_t rows = x.size(0);
+  if (!batch_invariant_ || rows >= ModelOptions::kMinGemmRows) {
+    return bias.defined() ? at::addmm(bias, x, w.t()) : at::mm(x, w.t());
+  }
+  at::Tensor padded = at::cat({x, at::zeros({ModelOptions::kMinGemmRows - rows, x.size(1)}, x.options())});
+  at::Tensor out = bias.defined() ? at::addmm(bias, padded, w.t()) : at::mm(padded, w.t());
+  return out.narrow(0, 0, rows);
+}
+
+at::Tensor LlamaModel::RmsNorm(const at::Tensor& x, const at::Tensor& weight) const {
+  // llama2.c rmsnorm: x * (1 / sqrt(mean(x^2) + eps)) * w.
+  at::Tensor inv = at::rsqrt(x.pow(2).mean(-1, /*keepdim=*/true) + config_.norm_eps);
+  return weight * (x * inv);
+}
+
+at::Tensor LlamaModel::ApplyRope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) const {
+  const int64_t half = config_.head_dim() / 2;
+  if (config_.rope_layout == RopeLayout::kInterleaved) {
+    // Pairs (2j, 2j+1).
+    at::Tensor pairs = x.unflatten(-1, {half, 2});
+    at::Tensor x0 = pairs.select(-1, 0);
+    at::Tensor x1 = pairs.select(-1, 1);
+    return at::stack({x0 * cos - x1 * sin, x0 * sin + x1 * cos}, -1).flatten(-2);
+  }
+  // Half-split ("rotate_half"): pairs (j, j + head_dim/2).
+  at::Tensor x0 = x.narrow(-1, 0, half);
+  at::Tensor x1 = x.narrow(-1, half, half);
+  return at::cat({x0 * cos - x1 * sin, x1 * cos + x0 * sin}, -1);
+}
+
+at::Tensor LlamaModel::Forward(const ForwardBatch& batch, AttentionBackend& kv) const {
+  c10::InferenceMode guard;
+  const int64_t num_tokens = static_cast<int64_t>(batch.token_ids.size());
+  if (num_tokens == 0) throw std::invalid_argument("Forward: batch has no tokens");
+  if (batch.positions.size() != batch.token_ids.size()) {
+    throw std::invalid_argument(fmt::format("Forward: {} positions for {} tokens", batch.positions.size(), num_tokens));
+  }
+  for (int64_t i = 0; i < num_tokens; ++i) {
+    if (batch.token_ids[i] < 0 || batch.token_ids[i] >= config_.vocab_size) {
+      throw std::invalid_argument(fmt::format("Forward: token id {} at row {} outside the vocabulary [0, {})",
+                                              batch.token_ids[i], i, config_.vocab_size));
+    }
+    if (batch.positions[i] < 0 || batch.positions[i] >= config_.max_seq_len) {
+      throw std::invalid_argument(fmt::format("Forward: position {} at row {} outside [0, {})", batch.positions[i],
+                                              i, config_.max_seq_len));
+    }
+  }
+  for (int32_t row : batch.logits_rows) {
+    if (row < 0 || row >= num_tokens) {
+      throw std::invalid_argument(fmt::format("Forward: logits row {} outside [0, {})", row, num_tokens));
+    }
+  }
+
+  const int64_t n_heads = config_.n_heads, n_kv = config_.n_kv_heads, head_dim = config_.head_dim();
+  const int64_t q_dim = n_heads * head_dim, kv_dim = n_kv * head_dim;
+  auto opts_i32 = at::TensorOptions().dtype(at::kInt);
+  at::Tensor ids = at::from_blob(const_cast<TokenId*>(batch.token_ids.data()), {num_tokens}, opts_i32)
+                       .to(device_, at::kLong);
+  at::Tensor pos = at::from_blob(const_cast<int32_t*>(batch.positions.data()), {num_tokens}, opts_i32)
+                       .to(device_, at::kLong);
+  at::Tensor cos = rope_cos_.index_select(0, pos).unsqueeze(1);  // [T, 1, head_dim/2]
+  at::Tensor sin = rope_sin_.index_select(0, pos).unsqueeze(1);
+
+  at::Tensor x = embed_.index_select(0, ids);  // [T, dim]
+  for (size_t l = 0; l < layers_.size(); ++l) {
+    const Layer& layer = layers_[l];
+    at::Tensor h = RmsNorm(x, layer.attn_norm);
+    at::Tensor qkv = Linear(h, layer.wqkv, layer.bqkv);
+    at::Tensor q = ApplyRope(qkv.narrow(1, 0, q_dim).view({num_tokens, n_heads, head_dim}), cos, sin);
+    at::Tensor k = ApplyRope(qkv.narrow(1, q_dim, kv_dim).view({num_tokens, n_kv, head_dim}), cos, sin);
+    at::Tensor v = qkv.narrow(1, q_dim + kv_dim, kv_dim).reshape({num_tokens, n_kv, head_dim});
+    at::Tensor attn = kv.Attend(static_cast<int>(l), q.contiguous(), k.contiguous(), v.contiguous());  // [T, H, D]
+    x = x + Linear(attn.reshape({num_tokens, q_dim}), layer.wo);
+    h = RmsNorm(x, layer.ffn_norm);
+    at::Tensor gate_up = Linear(h, layer.w_gate_up);  // [T, 2 * hidden]
+    const int64_t hidden = config_.hidden_dim;
+    at::Tensor act = at::silu(gate_up.narrow(1, 0, hidden)) * gate_up.narrow(1, hidden, hidden);
+    x = x + Linear(act, layer.w_down);
+  }
+  at::Tensor rows = at::from_blob(const_cast<int32_t*>(batch.logits_rows.data()),
+                                  {static_cast<int64_t>(batch.logits_rows.size())}, opts_i32)
+                        .to(device_, at::kLong);
+  at::Tensor last = RmsNorm(x.index_select(0, rows), final_norm_);
+  return Linear(last, lm_head_);  // [num_logits, vocab]
+}
+
+std::vector<std::pair<std::string, at::Tensor>> LlamaModel::NamedParameters() const {
+  const int64_t q_dim = config_.n_heads * config_.head_dim(), kv_dim = config_.kv_dim();
+  const int64_t hidden = config_.hidden_dim;
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  out.emplace_back("model.embed_tokens.weight", embed_);
+  for (int i = 0; i < config_.n_layers; ++i) {
+    const std::string p = fmt::format("model.layers.{}.", i);
+    const Layer& layer = layers_[i];
+    out.emplace_back(p + "input_layernorm.weight", layer.attn_norm);
+    out.emplace_back(p + "self_attn.q_proj.weight", layer.wqkv.narrow(0, 0, q_dim));
+    out.emplace_back(p + "self_attn.k_proj.weight", layer.wqkv.narrow(0, q_dim, kv_dim));
+    out.emplace_back(p + "self_attn.v_proj.weight", layer.wqkv.narrow(0, q_dim + kv_dim, kv_dim));
+    if (layer.bqkv.defined()) {
+      out.emplace_back(p + "self_attn.q_proj.bias", layer.bqkv.narrow(0, 0, q_dim));
+      out.emplace_back(p + "self_attn.k_proj.bias", layer.bqkv.narrow(0, q_dim, kv_dim));
+      out.emplace_back(p + "self_attn.v_proj.bias", layer.bqkv.narrow(0, q_dim + kv_dim, kv_dim));
+    }
+    out.emplace_back(p + "self_attn.o_proj.weight", layer.wo);
+    out.emplace_back(p + "post_attention_layernorm.weight", layer.ffn_norm);
+    out.emplace_back(p + "mlp.gate_proj.weight", layer.w_gate_up.narrow(0, 0, hidden));
+    out.emplace_back(p + "mlp.up_proj.weight", layer.w_gate_up.narrow(0, hidden, hidden));
+    out.emplace_back(p + "mlp.down_proj.weight", layer.w_down);
+  }
+  out.emplace_back("model.norm.weight", final_norm_);
+  if (!config_.tie_word_embeddings) out.emplace_back("lm_head.weight", lm_head_);
+  return out;
+}
+
+}  // namespace vroll::policy

@@ -1,0 +1,94 @@
+#pragma once
+// Llama-family decoder in LibTorch: token embedding, RMSNorm, rotary embeddings (interleaved or
+// half-split), grouped-query attention through an AttentionBackend (the KV-cache call site),
+// SwiGLU feed-forward, tied or separate output head. Covers llama2.c checkpoints, Llama 2 /
+// TinyLlama and Qwen2 (q/k/v biases) layouts.
+
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
+
+#include "policy/attention_backend.h"
+#include "policy/tokenizer.h"
+#include "policy/weights.h"
+
+namespace vroll::policy {
+
+/// One forward step's packed batch (see attention_backend.h for the packing):
+///   token_ids[i], positions[i] for i in [0, num_tokens): the new tokens of every sequence, one
+///   sequence after another; logits_rows: which of those rows to return logits for, in order
+///   (e.g. the last new token of each sequence; every row for a full-sequence scoring pass).
+struct ForwardBatch {
+  std::vector<TokenId> token_ids;    // [num_tokens]
+  std::vector<int32_t> positions;    // [num_tokens], each in [0, max_seq_len)
+  std::vector<int32_t> logits_rows;  // [num_logits], each in [0, num_tokens)
+};
+
+struct ModelOptions {
+  c10::Device device = c10::Device(c10::kCPU);
+  /// Batch invariance: every GEMM runs on at least kMinGemmRows rows (zero rows appended), so a
+  /// row's result does not depend on how many other rows share the step. OpenBLAS 0.3.21
+  /// (SkylakeX kernels) takes a different summation path for small row counts (measured: bits
+  /// differ for <= 18 rows on some shapes, identical from 19 to 2100 rows on every model shape we
+  /// run); padding costs little because small steps are latency-bound anyway.
+  bool batch_invariant = true;
+  static constexpr int64_t kMinGemmRows = 32;
+};
+
+/// Immutable shape; weights change only through NamedParameters() (the weight-update apply step,
+/// on the engine thread between steps). Forward is const but not re-entrant on one backend:
+/// call it from one thread at a time (the engine thread owns the model).
+class LlamaModel {
+ public:
+  /// Builds tensors from host weights (validated against the config: throws LoadError naming
+  /// the tensor on a missing name or wrong shape). q/k/v and gate/up are fused for fewer GEMMs;
+  /// the canonical tensors are views into the fused ones.
+  LlamaModel(const Checkpoint& checkpoint, const ModelOptions& options = {});
+
+  /// Runs all layers over the packed batch and returns fp32 logits [num_logits, vocab_size]
+  /// on the model's device, row r for token row batch.logits_rows[r]. Keys and values of the new
+  /// tokens are stored by `kv`, which the caller has prepared for this batch (SetStep).
+  /// Throws std::invalid_argument on a token id outside [0, vocab_size), a position outside
+  /// [0, max_seq_len), or size mismatches.
+  at::Tensor Forward(const ForwardBatch& batch, AttentionBackend& kv) const;
+
+  const ModelConfig& config() const { return config_; }
+  c10::Device device() const { return device_; }
+
+  /// Canonical (Hugging Face) name -> parameter tensor, in ExpectedWeightShapes order. The
+  /// tensors alias the model's storage: copying into them changes the model. A tied model
+  /// lists only model.embed_tokens.weight (its output head is the same storage).
+  std::vector<std::pair<std::string, at::Tensor>> NamedParameters() const;
+
+ private:
+  struct Layer {
+    at::Tensor attn_norm;   // [dim]
+    at::Tensor wqkv;        // [q_dim + 2 * kv_dim, dim]
+    at::Tensor bqkv;        // [q_dim + 2 * kv_dim] or undefined
+    at::Tensor wo;          // [dim, q_dim]
+    at::Tensor ffn_norm;    // [dim]
+    at::Tensor w_gate_up;   // [2 * hidden_dim, dim]: gate rows then up rows
+    at::Tensor w_down;      // [dim, hidden_dim]
+  };
+
+  /// x @ w^T (+ bias): x [rows, in], w [out, in] -> [rows, out]; padded per batch_invariant.
+  at::Tensor Linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias = {}) const;
+  at::Tensor RmsNorm(const at::Tensor& x, const at::Tensor& weight) const;
+  /// x: [num_tokens, heads, head_dim]; cos/sin: [num_tokens, 1, head_dim / 2].
+  at::Tensor ApplyRope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) const;
+
+  ModelConfig config_;
+  c10::Device device_;
+  bool batch_invariant_;
+  at::Tensor embed_;      // [vocab_size, dim]
+  at::Tensor lm_head_;    // [vocab_size, dim]; same storage as embed_ when tied
+  at::Tensor final_norm_; // [dim]
+  at::Tensor rope_cos_;   // [max_seq_len, head_dim / 2]
+  at::Tensor rope_sin_;   // [max_seq_len, head_dim / 2]
+  std::vector<Layer> layers_;
+};
+
+}  // namespace vroll::policy

@@ -1,0 +1,260 @@
+// The Llama model against independent oracles: the reference C implementation's greedy token
+// ids and text for stories260K, full-sequence vs incremental forward, and algebraic identities
+// between RoPE layouts and between GQA and its expanded multi-head equivalent.
+
+#include <fstream>
+#include <sstream>
+
+#include <ATen/ATen.h>
+#include <c10/core/InferenceMode.h>
+#include <gtest/gtest.h>
+
+#include "policy/contiguous_kv_cache.h"
+#include "policy/default_model.h"
+#include "policy/llama2c_loader.h"
+#include "policy/llama_model.h"
+#include "policy/tokenizer.h"
+#include "tests/support/test_paths.h"
+
+namespace vroll::policy {
+namespace {
+
+using vroll::testing::SharedPath;
+
+std::string ReadFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+/// Greedy decoding one token per step through a ContiguousKvCache, from `prompt`.
+std::vector<TokenId> GreedyDecode(const LlamaModel& model, std::vector<TokenId> prompt, int num_new) {
+  ContiguousKvCache kv(model.config(), 1);
+  ForwardBatch batch;
+  for (size_t i = 0; i < prompt.size(); ++i) {
+    batch.token_ids.push_back(prompt[i]);
+    batch.positions.push_back(static_cast<int32_t>(i));
+  }
+  std::vector<TokenId> out;
+  int context = static_cast<int>(prompt.size());
+  for (int step = 0; step < num_new; ++step) {
+    const int n_new = static_cast<int>(batch.token_ids.size());
+    batch.logits_rows = {n_new - 1};
+    kv.SetStep({0}, {0, n_new}, {context});
+    at::Tensor logits = model.Forward(batch, kv);
+    const TokenId next = static_cast<TokenId>(logits[0].argmax().item<int64_t>());
+    out.push_back(next);
+    batch.token_ids = {next};
+    batch.positions = {context};
+    ++context;
+  }
+  return out;
+}
+
+/// Logits for every position of `tokens`, computed in one full-sequence forward.
+at::Tensor FullForward(const LlamaModel& model, const std::vector<TokenId>& tokens) {
+  ContiguousKvCache kv(model.config(), 1);
+  ForwardBatch batch;
+  for (size_t i = 0; i < tokens.size(); ++i) {
+    batch.token_ids.push_back(tokens[i]);
+    batch.positions.push_back(static_cast<int32_t>(i));
+    batch.logits_rows.push_back(static_cast<int32_t>(i));
+  }
+  const int n = static_cast<int>(tokens.size());
+  kv.SetStep({0}, {0, n}, {n});
+  return model.Forward(batch, kv);
+}
+
+double MaxRelDiff(const at::Tensor& a, const at::Tensor& b) {
+  return ((a - b).abs().max() / b.abs().max()).item<double>();
+}
+
+TEST(LlamaModelTest, Stories260KGreedyMatchesReferenceIdsAndText) {
+  VROLL_REQUIRE_SHARED();
+  const Checkpoint ckpt = LoadLlama2cCheckpoint(SharedPath("models/stories260K.bin"));
+  const Tokenizer tok = Tokenizer::LoadLlama2c(SharedPath("models/tok512.bin"), ckpt.config.vocab_size);
+  LlamaModel model(ckpt);
+
+  std::vector<TokenId> want;
+  std::ifstream ids(SharedPath("reference/stories260K_greedy_n200_ids.txt"));
+  int step, input, chosen;
+  while (ids >> step >> input >> chosen) want.push_back(chosen);
+  ASSERT_EQ(want.size(), 200u);
+
+  const std::vector<TokenId> got = GreedyDecode(model, {Tokenizer::kBos}, 200);
+  EXPECT_EQ(got, want);
+
+  std::string text;
+  TokenId prev = Tokenizer::kBos;
+  for (TokenId t : got) {
+    text += tok.DecodePiece(prev, t);
+    prev = t;
+  }
+  // run.c prints a final "\n" after the generated text; the reference file keeps it.
+  EXPECT_EQ(text + "\n", ReadFile(SharedPath("reference/stories260K_greedy_n200.txt")));
+}
+
+TEST(LlamaModelTest, IncrementalLogitsEqualFullSequenceForward) {
+  VROLL_REQUIRE_SHARED();
+  LlamaModel model(LoadLlama2cCheckpoint(SharedPath("models/stories260K.bin")));
+  std::vector<TokenId> tokens = {1, 403, 407, 261, 378};
+  const std::vector<TokenId> gen = GreedyDecode(model, tokens, 40);
+  tokens.insert(tokens.end(), gen.begin(), gen.end());
+  const at::Tensor full = FullForward(model, tokens);  // [45, vocab]
+
+  // Incremental: a 5-token prefill chunk, a 7-token chunk, then single-token decode steps.
+  ContiguousKvCache kv(model.config(), 1);
+  std::vector<at::Tensor> rows;
+  int pos = 0;
+  for (int chunk : {5, 7}) {
+    ForwardBatch b;
+    for (int i = 0; i < chunk; ++i, ++pos) {
+      b.token_ids.push_back(tokens[pos]);
+      b.positions.push_back(pos);
+      b.logits_rows.push_back(i);
+    }
+    kv.SetStep({0}, {0, chunk}, {pos});
+    rows.push_back(model.Forward(b, kv));
+  }
+  for (; pos < static_cast<int>(tokens.size()); ++pos) {
+    ForwardBatch b{{tokens[pos]}, {pos}, {0}};
+    kv.SetStep({0}, {0, 1}, {pos + 1});
+    rows.push_back(model.Forward(b, kv));
+  }
+  EXPECT_LE(MaxRelDiff(at::cat(rows), full), 1e-5);
+}
+
+TEST(LlamaModelTest, BatchOfSequencesAtDifferentPositionsEqualsEachAlone) {
+  const Checkpoint ckpt = MakeDefaultCheckpoint(7);
+  LlamaModel model(ckpt);
+  const std::vector<std::vector<TokenId>> seqs = {{1, 70, 80, 90, 100, 33}, {1, 5}, {1, 200, 201, 202}};
+  // Alone.
+  std::vector<at::Tensor> alone;
+  for (const auto& s : seqs) alone.push_back(FullForward(model, s));
+  // Together: one packed batch, three slots.
+  ContiguousKvCache kv(model.config(), 3);
+  ForwardBatch b;
+  std::vector<int> query_start = {0}, context;
+  for (const auto& s : seqs) {
+    for (size_t i = 0; i < s.size(); ++i) {
+      b.logits_rows.push_back(static_cast<int32_t>(b.token_ids.size()));
+      b.token_ids.push_back(s[i]);
+      b.positions.push_back(static_cast<int32_t>(i));
+    }
+    query_start.push_back(static_cast<int>(b.token_ids.size()));
+    context.push_back(static_cast<int>(s.size()));
+  }
+  kv.SetStep({0, 1, 2}, query_start, context);
+  const at::Tensor together = model.Forward(b, kv);
+  EXPECT_LE(MaxRelDiff(together, at::cat(alone)), 1e-5);
+}
+
+/// Hugging Face's conversion permutes q/k rows so that half-split RoPE computes what
+/// interleaved RoPE computes on the original rows (transformers convert_llama_weights_to_hf.py:
+/// w.view(heads, dim1/heads/2, 2, dim2).transpose(1, 2)).
+HostTensor PermuteForHalfSplit(const HostTensor& w, int heads) {
+  c10::InferenceMode guard;
+  at::Tensor t = at::from_blob(const_cast<float*>(w.data.data()), w.shape, at::kFloat);
+  const int64_t rows = w.shape[0], cols = w.shape[1];
+  at::Tensor p = t.view({heads, rows / heads / 2, 2, cols}).transpose(1, 2).reshape({rows, cols}).contiguous();
+  HostTensor out{w.shape, std::vector<float>(p.data_ptr<float>(), p.data_ptr<float>() + p.numel())};
+  return out;
+}
+
+TEST(LlamaModelTest, HalfSplitRopeOnPermutedWeightsEqualsInterleaved) {
+  ModelConfig config = DefaultModelConfig();
+  config.n_layers = 2;
+  Checkpoint interleaved = MakeRandomCheckpoint(config, 11, 0.2);
+  Checkpoint half = interleaved;
+  half.config.rope_layout = RopeLayout::kHalfSplit;
+  for (int l = 0; l < config.n_layers; ++l) {
+    const std::string p = "model.layers." + std::to_string(l) + ".self_attn.";
+    half.weights[p + "q_proj.weight"] = PermuteForHalfSplit(interleaved.weights[p + "q_proj.weight"], config.n_heads);
+    half.weights[p + "k_proj.weight"] = PermuteForHalfSplit(interleaved.weights[p + "k_proj.weight"], config.n_kv_heads);
+  }
+  const std::vector<TokenId> tokens = {1, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50};
+  const at::Tensor a = FullForward(LlamaModel(interleaved), tokens);
+  const at::Tensor b = FullForward(LlamaModel(half), tokens);
+  EXPECT_LE(MaxRelDiff(b, a), 1e-5);
+  // And the layouts are really different computations on the same weights.
+  Checkpoint wrong = interleaved;
+  wrong.config.rope_layout = RopeLayout::kHalfSplit;
+  EXPECT_GT(MaxRelDiff(FullForward(LlamaModel(wrong), tokens), a), 1e-3);
+}
+
+TEST(LlamaModelTest, GroupedQueryAttentionEqualsExpandedMultiHead) {
+  ModelConfig config = DefaultModelConfig();  // 8 heads, 4 kv heads
+  config.n_layers = 2;
+  Checkpoint gqa = MakeRandomCheckpoint(config, 12, 0.2);
+  Checkpoint mha = gqa;
+  mha.config.n_kv_heads = config.n_heads;
+  const int head_dim = config.head_dim(), group = config.n_heads / config.n_kv_heads;
+  for (int l = 0; l < config.n_layers; ++l) {
+    for (const char* name : {"k_proj.weight", "v_proj.weight"}) {
+      const std::string key = "model.layers." + std::to_string(l) + ".self_attn." + name;
+      const HostTensor& w = gqa.weights[key];
+      HostTensor e{{static_cast<int64_t>(config.n_heads) * head_dim, w.shape[1]}, {}};
+      for (int h = 0; h < config.n_heads; ++h) {
+        const int kv = h / group;
+        e.data.insert(e.data.end(), w.data.begin() + kv * head_dim * w.shape[1],
+                      w.data.begin() + (kv + 1) * head_dim * w.shape[1]);
+      }
+      mha.weights[key] = e;
+    }
+  }
+  const std::vector<TokenId> tokens = {1, 9, 8, 7, 6, 5, 4, 3};
+  EXPECT_LE(MaxRelDiff(FullForward(LlamaModel(mha), tokens), FullForward(LlamaModel(gqa), tokens)), 1e-5);
+}
+
+TEST(LlamaModelTest, UntiedHeadAndQkvBiasAreUsed) {
+  ModelConfig config = DefaultModelConfig();
+  config.n_layers = 1;
+  config.tie_word_embeddings = false;
+  config.attention_bias = true;
+  Checkpoint ckpt = MakeRandomCheckpoint(config, 13, 0.2);
+  const std::vector<TokenId> tokens = {1, 2, 3};
+  const at::Tensor base = FullForward(LlamaModel(ckpt), tokens);
+  Checkpoint head = ckpt;
+  for (float& x : head.weights["lm_head.weight"].data) x *= 2;
+  EXPECT_LE(MaxRelDiff(FullForward(LlamaModel(head), tokens), base * 2), 1e-5);
+  Checkpoint bias = ckpt;
+  for (float& x : bias.weights["model.layers.0.self_attn.v_proj.bias"].data) x += 1;
+  EXPECT_GT(MaxRelDiff(FullForward(LlamaModel(bias), tokens), base), 1e-3);
+}
+
+TEST(LlamaModelTest, NamedParametersAliasModelStorage) {
+  const Checkpoint ckpt = MakeDefaultCheckpoint(3);
+  LlamaModel model(ckpt);
+  const std::vector<TokenId> tokens = {1, 100, 101};
+  const at::Tensor before = FullForward(model, tokens);
+  const auto params = model.NamedParameters();
+  ASSERT_EQ(params.size(), ckpt.weights.size());
+  for (const auto& [name, tensor] : params) {
+    const HostTensor& host = ckpt.weights.at(name);
+    ASSERT_EQ(tensor.sizes().vec(), host.shape) << name;
+    EXPECT_TRUE(at::equal(tensor, at::from_blob(const_cast<float*>(host.data.data()), host.shape, at::kFloat))) << name;
+  }
+  c10::InferenceMode guard;
+  for (const auto& [name, tensor] : params) {
+    if (name == "model.norm.weight") tensor.mul_(0.5);
+  }
+  EXPECT_FALSE(at::equal(FullForward(model, tokens), before));
+}
+
+TEST(LlamaModelTest, RejectsTokenIdsOutsideTheVocabulary) {
+  LlamaModel model(MakeDefaultCheckpoint());
+  ContiguousKvCache kv(model.config(), 1);
+  kv.SetStep({0}, {0, 1}, {1});
+  ForwardBatch b{{model.config().vocab_size}, {0}, {0}};
+  EXPECT_THROW(model.Forward(b, kv), std::invalid_argument);
+}
+
+TEST(LlamaModelTest, DefaultModelIsDeterministic) {
+  const Checkpoint a = MakeDefaultCheckpoint(42), b = MakeDefaultCheckpoint(42), c = MakeDefaultCheckpoint(43);
+  EXPECT_EQ(a.weights.at("model.layers.1.mlp.up_proj.weight").data, b.weights.at("model.layers.1.mlp.up_proj.weight").data);
+  EXPECT_NE(a.weights.at("model.layers.1.mlp.up_proj.weight").data, c.weights.at("model.layers.1.mlp.up_proj.weight").data);
+}
+
+}  // namespace
+}  // namespace vroll::policy
