@@ -1,0 +1,442 @@
+#include "policy/weight_update.h"
+
+#include <xxhash.h>
+
+#include <algorithm>
+#include <cstring>
+#include <limits>
+#include <memory>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include "policy/check.h"
+
+namespace vroll::policy {
+namespace {
+
+static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__,
+              "weight updates are little-endian on the wire and staged by memcpy");
+static_assert(std::numeric_limits<float>::is_iec559 && sizeof(float) == 4, "fp32 must be IEEE binary32");
+
+constexpr char kEmbedName[] = "model.embed_tokens.weight";
+constexpr char kLmHeadName[] = "lm_head.weight";
+
+/// Largest fp32 byte size accepted for one parameter (keeps every offset sum far from overflow).
+constexpr uint64_t kMaxTensorBytes = uint64_t{1} << 62;
+
+bool IsValidDType(DType dtype) {
+  return dtype == DType::kF32 || dtype == DType::kF16 || dtype == DType::kBF16;
+}
+
+std::string ShapeString(const std::vector<int64_t>& shape) { return fmt::format("[{}]", fmt::join(shape, ", ")); }
+
+float FloatFromBits(uint32_t bits) {
+  float value;
+  std::memcpy(&value, &bits, sizeof(value));
+  return value;
+}
+
+uint16_t LoadU16(const uint8_t* p) {
+  uint16_t value;
+  std::memcpy(&value, p, sizeof(value));
+  return value;
+}
+
+void AppendU64Le(XXH3_state_t* state, uint64_t value) {
+  uint8_t bytes[8];
+  for (int i = 0; i < 8; ++i) bytes[i] = static_cast<uint8_t>(value >> (8 * i));
+  XXH3_64bits_update(state, bytes, sizeof(bytes));
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// Element types and conversions.
+
+std::optional<DType> ParseDType(std::string_view name) {
+  if (name == "float32" || name == "fp32") return DType::kF32;
+  if (name == "float16" || name == "fp16" || name == "half") return DType::kF16;
+  if (name == "bfloat16" || name == "bf16") return DType::kBF16;
+  return std::nullopt;
+}
+
+size_t DTypeSize(DType dtype) {
+  switch (dtype) {
+    case DType::kF32: return 4;
+    case DType::kF16: return 2;
+    case DType::kBF16: return 2;
+  }
+  throw WeightUpdateError(fmt::format("DTypeSize: invalid DType value {}", static_cast<int>(dtype)));
+}
+
+std::string DTypeName(DType dtype) {
+  switch (dtype) {
+    case DType::kF32: return "float32";
+    case DType::kF16: return "float16";
+    case DType::kBF16: return "bfloat16";
+  }
+  return fmt::format("invalid({})", static_cast<int>(dtype));
+}
+
+float HalfToFloat(uint16_t bits) {
+  // binary16: 1 sign | 5 exponent (bias 15) | 10 mantissa.  binary32: 1 | 8 (bias 127) | 23.
+  const uint32_t sign = static_cast<uint32_t>(bits & 0x8000u) << 16;
+  const uint32_t exponent = (bits >> 10) & 0x1fu;
+  uint32_t mantissa = bits & 0x3ffu;
+  if (exponent == 0x1f) {  // inf (mantissa 0) or NaN: keep the payload in the top mantissa bits
+    return FloatFromBits(sign | 0x7f800000u | (mantissa << 13));
+  }
+  if (exponent != 0) {  // normal: rebias 15 -> 127
+    return FloatFromBits(sign | ((exponent + (127 - 15)) << 23) | (mantissa << 13));
+  }
+  if (mantissa == 0) return FloatFromBits(sign);  // +-0
+  // Subnormal: value = mantissa * 2^-24. Shift the leading 1 up to bit 10 (the implicit bit); a
+  // leading 1 at bit p (0..9) takes shift = 10 - p and gives value 1.f * 2^(p - 24), i.e. biased
+  // exponent 127 - 14 - shift. Every half subnormal is a normal float.
+  uint32_t shift = 0;
+  while ((mantissa & 0x400u) == 0) {
+    mantissa <<= 1;
+    ++shift;
+  }
+  mantissa &= 0x3ffu;
+  return FloatFromBits(sign | ((127 - 14 - shift) << 23) | (mantissa << 13));
+}
+
+float BFloat16ToFloat(uint16_t bits) { return FloatFromBits(static_cast<uint32_t>(bits) << 16); }
+
+// ---------------------------------------------------------------------------------------------
+// Checksums.
+
+uint64_t TensorChecksum(const void* bytes, size_t num_bytes) {
+  return XXH3_64bits(num_bytes == 0 ? "" : bytes, num_bytes);
+}
+
+uint64_t WeightsChecksum(std::vector<NamedTensorView> tensors) {
+  // std::string_view compares through char_traits<char>, i.e. as unsigned bytes: Python's order
+  // for UTF-8 encoded names.
+  std::sort(tensors.begin(), tensors.end(),
+            [](const NamedTensorView& a, const NamedTensorView& b) { return a.name < b.name; });
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    if (i > 0 && tensors[i].name == tensors[i - 1].name) {
+      throw WeightUpdateError(fmt::format("WeightsChecksum: tensor name '{}' appears twice", tensors[i].name));
+    }
+    if (tensors[i].data == nullptr && tensors[i].numel > 0) {
+      throw WeightUpdateError(fmt::format("WeightsChecksum: tensor '{}' has numel {} but null data",
+                                          tensors[i].name, tensors[i].numel));
+    }
+  }
+  std::unique_ptr<XXH3_state_t, decltype(&XXH3_freeState)> state(XXH3_createState(), &XXH3_freeState);
+  VROLL_CHECK(state != nullptr, "XXH3_createState failed");
+  VROLL_CHECK(XXH3_64bits_reset(state.get()) == XXH_OK, "XXH3_64bits_reset failed");
+  for (const NamedTensorView& tensor : tensors) {
+    AppendU64Le(state.get(), tensor.name.size());
+    XXH3_64bits_update(state.get(), tensor.name.data(), tensor.name.size());
+    const uint64_t num_bytes = uint64_t{tensor.numel} * sizeof(float);
+    AppendU64Le(state.get(), num_bytes);
+    if (num_bytes > 0) XXH3_64bits_update(state.get(), tensor.data, num_bytes);
+  }
+  return XXH3_64bits_digest(state.get());
+}
+
+uint64_t WeightsChecksum(const WeightMap& weights) {
+  std::vector<NamedTensorView> views;
+  views.reserve(weights.size());
+  for (const auto& [name, tensor] : weights) views.push_back({name, tensor.data.data(), tensor.data.size()});
+  return WeightsChecksum(std::move(views));
+}
+
+// ---------------------------------------------------------------------------------------------
+// WeightUpdateStaging.
+
+WeightUpdateStaging::WeightUpdateStaging(std::vector<ParamSpec> params) : params_(std::move(params)) {
+  slots_.resize(params_.size());
+  bool has_embed = false;
+  bool has_lm_head = false;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const ParamSpec& param = params_[i];
+    if (param.name.empty()) throw WeightUpdateError(fmt::format("WeightUpdateStaging: parameter {} has an empty name", i));
+    if (!index_by_name_.emplace(param.name, i).second) {
+      throw WeightUpdateError(fmt::format("WeightUpdateStaging: parameter '{}' listed twice", param.name));
+    }
+    uint64_t numel = 1;
+    for (int64_t dim : param.shape) {
+      if (dim < 0) {
+        throw WeightUpdateError(fmt::format("WeightUpdateStaging: parameter '{}' has negative dimension in shape {}",
+                                            param.name, ShapeString(param.shape)));
+      }
+      const uint64_t udim = static_cast<uint64_t>(dim);
+      if (udim != 0 && numel > kMaxTensorBytes / sizeof(float) / udim) {
+        throw WeightUpdateError(fmt::format("WeightUpdateStaging: parameter '{}' of shape {} is too large",
+                                            param.name, ShapeString(param.shape)));
+      }
+      numel *= udim;
+    }
+    slots_[i].numel = numel;
+    has_embed = has_embed || param.name == kEmbedName;
+    has_lm_head = has_lm_head || param.name == kLmHeadName;
+  }
+  tied_lm_head_ = has_embed && !has_lm_head;
+}
+
+const char* WeightUpdateStaging::StateName(State state) {
+  switch (state) {
+    case State::kIdle: return "idle";
+    case State::kStaging: return "staging";
+    case State::kVerified: return "verified";
+    case State::kPoisoned: return "poisoned";
+  }
+  return "invalid";
+}
+
+std::string WeightUpdateStaging::Prefix() const {
+  return fmt::format("weight update to version {}: ", pending_version_);
+}
+
+UpdateStatus WeightUpdateStaging::Poison(std::string cause) {
+  state_ = State::kPoisoned;
+  poison_cause_ = std::move(cause);
+  verified_.clear();
+  return UpdateStatus::Error(poison_cause_);
+}
+
+std::string WeightUpdateStaging::UnknownNameMessage(const std::string& name) const {
+  if (tied_lm_head_ && name == kLmHeadName) {
+    return fmt::format(
+        "tensor {}: the model ties lm_head to {} (one shared matrix, no separate lm_head parameter); "
+        "send {} only, so the tied head can neither keep old weights nor diverge from the embedding",
+        name, kEmbedName, kEmbedName);
+  }
+  return fmt::format("unknown tensor {}: not a parameter of the model", name);
+}
+
+uint8_t* WeightUpdateStaging::SourceBytes(Slot& slot) {
+  return slot.dtype == DType::kF32 ? reinterpret_cast<uint8_t*>(slot.values.data()) : slot.raw.data();
+}
+
+UpdateStatus WeightUpdateStaging::CheckManifest(const UpdateManifest& manifest, PolicyVersion current_version) {
+  if (manifest.version <= current_version) {
+    return UpdateStatus::Error(
+        fmt::format("{}refused: version {} is not greater than the current policy version {}", Prefix(),
+                    manifest.version, current_version));
+  }
+  if (manifest.tensors.empty()) return UpdateStatus::Error(Prefix() + "refused: the manifest names no tensors");
+  for (const TensorManifestEntry& entry : manifest.tensors) {
+    const auto it = index_by_name_.find(entry.name);
+    if (it == index_by_name_.end()) return UpdateStatus::Error(Prefix() + UnknownNameMessage(entry.name));
+    const ParamSpec& param = params_[it->second];
+    Slot& slot = slots_[it->second];
+    if (slot.in_manifest) {
+      return UpdateStatus::Error(fmt::format("{}tensor {}: listed twice in the manifest", Prefix(), entry.name));
+    }
+    slot.in_manifest = true;
+    manifest_slots_.push_back(it->second);
+    if (!IsValidDType(entry.dtype)) {
+      return UpdateStatus::Error(fmt::format("{}tensor {}: dtype {} is not one of float32, float16, bfloat16",
+                                             Prefix(), entry.name, DTypeName(entry.dtype)));
+    }
+    if (entry.shape != param.shape) {
+      return UpdateStatus::Error(fmt::format("{}tensor {}: shape {} does not match the model's {}", Prefix(),
+                                             entry.name, ShapeString(entry.shape), ShapeString(param.shape)));
+    }
+    const uint64_t expected_bytes = slot.numel * DTypeSize(entry.dtype);
+    if (entry.num_bytes != expected_bytes) {
+      return UpdateStatus::Error(fmt::format("{}tensor {}: num_bytes {} != {} ({} elements of {}, {} bytes each)",
+                                             Prefix(), entry.name, entry.num_bytes, expected_bytes, slot.numel,
+                                             DTypeName(entry.dtype), DTypeSize(entry.dtype)));
+    }
+    slot.dtype = entry.dtype;
+    slot.num_bytes = entry.num_bytes;
+    slot.checksum = entry.checksum;
+  }
+  if (!manifest.partial && manifest_slots_.size() != params_.size()) {
+    for (size_t i = 0; i < params_.size(); ++i) {
+      if (!slots_[i].in_manifest) {
+        return UpdateStatus::Error(
+            fmt::format("{}tensor {}: missing from a full update (the manifest names {} of the model's {} "
+                        "parameters; set partial = true to update a subset)",
+                        Prefix(), params_[i].name, manifest_slots_.size(), params_.size()));
+      }
+    }
+  }
+  return UpdateStatus::Ok();
+}
+
+UpdateStatus WeightUpdateStaging::Begin(const UpdateManifest& manifest, PolicyVersion current_version) {
+  if (active()) {  // kStaging / kVerified -> kPoisoned
+    return Poison(fmt::format("{}poisoned by a new Begin (version {}) while this transaction was {}", Prefix(),
+                              manifest.version, StateName(state_)));
+  }
+  // kIdle / kPoisoned: start fresh.
+  Abort();
+  pending_version_ = manifest.version;
+  UpdateStatus status = CheckManifest(manifest, current_version);
+  if (!status.ok()) return Poison(status.error());
+  for (size_t index : manifest_slots_) {
+    Slot& slot = slots_[index];
+    slot.written.clear();
+    slot.values.resize(slot.numel);  // no-op (no reallocation) once sized: shapes are fixed
+    if (slot.dtype != DType::kF32) slot.raw.resize(slot.num_bytes);
+  }
+  state_ = State::kStaging;
+  return UpdateStatus::Ok();
+}
+
+UpdateStatus WeightUpdateStaging::Write(const std::string& name, uint64_t offset, const void* data,
+                                        size_t num_bytes) {
+  if (data == nullptr && num_bytes > 0) {
+    throw WeightUpdateError(fmt::format("Write: tensor {}: null data for {} bytes at byte offset {}", name,
+                                        num_bytes, offset));
+  }
+  // Formatted only on failure: writes are the hot path.
+  const auto what = [&] { return fmt::format("tensor {}: write of {} bytes at byte offset {}", name, num_bytes, offset); };
+  switch (state_) {
+    case State::kIdle: return UpdateStatus::Error(fmt::format("weight update: {} refused: no transaction is open", what()));
+    case State::kPoisoned:
+      return UpdateStatus::Error(fmt::format("{}{} refused: the transaction is poisoned: {}", Prefix(), what(),
+                                             poison_cause_));
+    case State::kVerified: return Poison(fmt::format("{}{} after Verify", Prefix(), what()));
+    case State::kStaging: break;
+  }
+  const auto it = index_by_name_.find(name);
+  if (it == index_by_name_.end()) {
+    return Poison(fmt::format("{}{} (byte offset {})", Prefix(), UnknownNameMessage(name), offset));
+  }
+  Slot& slot = slots_[it->second];
+  if (!slot.in_manifest) return Poison(fmt::format("{}{}: tensor is not in this update's manifest", Prefix(), what()));
+  if (offset > slot.num_bytes || num_bytes > slot.num_bytes - offset) {
+    return Poison(fmt::format("{}{}: out of range, the tensor has {} bytes [0, {})", Prefix(), what(), slot.num_bytes,
+                              slot.num_bytes));
+  }
+  if (num_bytes == 0) return UpdateStatus::Ok();
+
+  // Insert [begin, end) into the sorted, disjoint, merged list of written ranges:
+  //   ... [prev.first, prev.second)   [begin, end)   [next.first, next.second) ...
+  // It must not overlap prev or next; touching ranges are merged so a complete tensor is one range.
+  const uint64_t begin = offset;
+  const uint64_t end = offset + num_bytes;
+  auto& written = slot.written;
+  auto next = std::upper_bound(written.begin(), written.end(), begin,
+                               [](uint64_t value, const std::pair<uint64_t, uint64_t>& range) {
+                                 return value < range.first;
+                               });
+  const bool has_prev = next != written.begin();
+  if (has_prev && std::prev(next)->second > begin) {
+    return Poison(fmt::format("{}{}: bytes [{}, {}) overlap bytes [{}, {}) already written", Prefix(), what(), begin,
+                              end, std::prev(next)->first, std::prev(next)->second));
+  }
+  if (next != written.end() && next->first < end) {
+    return Poison(fmt::format("{}{}: bytes [{}, {}) overlap bytes [{}, {}) already written", Prefix(), what(), begin,
+                              end, next->first, next->second));
+  }
+  const bool joins_prev = has_prev && std::prev(next)->second == begin;
+  const bool joins_next = next != written.end() && next->first == end;
+  if (joins_prev && joins_next) {
+    std::prev(next)->second = next->second;
+    written.erase(next);
+  } else if (joins_prev) {
+    std::prev(next)->second = end;
+  } else if (joins_next) {
+    next->first = begin;
+  } else {
+    written.insert(next, {begin, end});
+  }
+  std::memcpy(SourceBytes(slot) + offset, data, num_bytes);
+  return UpdateStatus::Ok();
+}
+
+UpdateStatus WeightUpdateStaging::Verify() {
+  switch (state_) {
+    case State::kIdle: return UpdateStatus::Error("weight update: Verify refused: no transaction is open");
+    case State::kPoisoned:
+      return UpdateStatus::Error(
+          fmt::format("{}Verify refused: the transaction is poisoned: {}", Prefix(), poison_cause_));
+    case State::kVerified: return Poison(Prefix() + "Verify called twice");
+    case State::kStaging: break;
+  }
+  // 1. Completeness: each manifest tensor is exactly one written range [0, num_bytes).
+  for (size_t index : manifest_slots_) {
+    const Slot& slot = slots_[index];
+    const auto& written = slot.written;
+    const bool complete = slot.num_bytes == 0 || (written.size() == 1 && written[0].first == 0 &&
+                                                  written[0].second == slot.num_bytes);
+    if (complete) continue;
+    uint64_t num_written = 0;
+    for (const auto& [first, second] : written) num_written += second - first;
+    uint64_t gap_begin = 0;
+    uint64_t gap_end = slot.num_bytes;
+    if (!written.empty()) {
+      if (written[0].first > 0) {
+        gap_end = written[0].first;
+      } else {
+        gap_begin = written[0].second;
+        gap_end = written.size() > 1 ? written[1].first : slot.num_bytes;
+      }
+    }
+    return Poison(fmt::format("{}tensor {}: incomplete, {} of {} bytes written; first missing bytes [{}, {})",
+                              Prefix(), params_[index].name, num_written, slot.num_bytes, gap_begin, gap_end));
+  }
+  // 2. Checksums over the raw source bytes as sent.
+  for (size_t index : manifest_slots_) {
+    Slot& slot = slots_[index];
+    const uint64_t actual = TensorChecksum(SourceBytes(slot), slot.num_bytes);
+    if (actual != slot.checksum) {
+      return Poison(fmt::format(
+          "{}tensor {}: checksum mismatch: manifest says {:#018x}, the {} {} bytes received hash to {:#018x} "
+          "(XXH3_64bits, seed 0)",
+          Prefix(), params_[index].name, slot.checksum, slot.num_bytes, DTypeName(slot.dtype), actual));
+    }
+  }
+  // 3. Convert 16-bit sources into the fp32 buffers (fp32 sources were written in place).
+  for (size_t index : manifest_slots_) {
+    Slot& slot = slots_[index];
+    VROLL_CHECK(slot.values.size() == slot.numel, "tensor {}: fp32 buffer holds {} of {} floats", params_[index].name,
+                slot.values.size(), slot.numel);
+    float* out = slot.values.data();
+    const uint8_t* in = slot.raw.data();
+    if (slot.dtype == DType::kF16) {
+      for (uint64_t i = 0; i < slot.numel; ++i) out[i] = HalfToFloat(LoadU16(in + 2 * i));
+    } else if (slot.dtype == DType::kBF16) {
+      for (uint64_t i = 0; i < slot.numel; ++i) out[i] = BFloat16ToFloat(LoadU16(in + 2 * i));
+    }
+  }
+  verified_.clear();
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (slots_[i].in_manifest) verified_.push_back({&params_[i], &slots_[i].values});
+  }
+  state_ = State::kVerified;
+  return UpdateStatus::Ok();
+}
+
+const std::vector<VerifiedTensor>& WeightUpdateStaging::verified() const {
+  if (state_ != State::kVerified) {
+    throw WeightUpdateError(fmt::format("verified() called in state {}, only valid after a successful Verify()",
+                                        StateName(state_)));
+  }
+  return verified_;
+}
+
+void WeightUpdateStaging::Abort() {
+  for (size_t index : manifest_slots_) slots_[index].in_manifest = false;
+  manifest_slots_.clear();
+  verified_.clear();
+  poison_cause_.clear();
+  pending_version_ = 0;
+  state_ = State::kIdle;
+}
+
+void WeightUpdateStaging::Finish() {
+  if (state_ != State::kVerified) {
+    throw WeightUpdateError(fmt::format("Finish() called in state {}, only valid after a successful Verify()",
+                                        StateName(state_)));
+  }
+  Abort();
+}
+
+size_t WeightUpdateStaging::staging_bytes() const {
+  size_t num_bytes = 0;
+  for (const Slot& slot : slots_) num_bytes += slot.values.capacity() * sizeof(float) + slot.raw.capacity();
+  return num_bytes;
+}
+
+}  // namespace vroll::policy

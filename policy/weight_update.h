@@ -1,0 +1,288 @@
+#pragma once
+// The weight-update transaction: stages the bytes of a new policy pushed by the trainer, verifies
+// them (complete, exactly once, right shapes and dtypes, matching checksums) and converts them to
+// fp32, all without touching the model. Torch-free and transport-free: a transport decodes
+// begin/write/commit/abort frames into calls on WeightUpdateStaging; the engine thread applies
+// verified() to the model at its safe point and then calls Finish().
+//
+// Life of one update (states of WeightUpdateStaging):
+//
+//            Begin ok                   Verify ok                 Finish (after apply)
+//   kIdle ------------> kStaging -------------------> kVerified ----------------------> kIdle
+//     |                  |  Write ok (stays)             |
+//     | Begin fails      | any failed call               | any failed call
+//     v                  v                               v
+//   kPoisoned <----------+-------------------------------+
+//     |  Write / Verify: refused, the error repeats the poisoning cause
+//     |  Begin: starts a fresh transaction (the poisoned one is discarded)
+//     +--> Abort (from any state) --> kIdle
+//
+// Nothing is ever published from kStaging or kPoisoned: the only way out with data is verified()
+// in kVerified. Every tensor buffer is kept per parameter across transactions, so memory stays
+// flat over any number of updates (shapes are fixed by the model).
+//
+// Wire conventions (all little-endian; weight_update.cc static_asserts a little-endian host):
+//   float32  4 bytes per element, IEEE binary32.
+//   float16  2 bytes per element, IEEE binary16; converted exactly (subnormals, inf, NaN payloads).
+//   bfloat16 2 bytes per element, the upper 16 bits of a binary32; converted by shifting left 16.
+// A manifest checksum is XXH3_64bits (seed 0) over the tensor's raw bytes as sent, in its source
+// dtype: see TensorChecksum().
+
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "policy/policy_version.h"
+#include "policy/weights.h"
+
+namespace vroll::policy {
+
+/// A caller's mistake at this API's edge (not an expected outcome of a bad update, which is a
+/// returned UpdateStatus): duplicate parameter names, a null write pointer, verified() outside
+/// kVerified. The message names the offending item.
+class WeightUpdateError : public std::invalid_argument {
+ public:
+  using std::invalid_argument::invalid_argument;
+};
+
+// ---------------------------------------------------------------------------------------------
+// Element types and conversions.
+
+/// Source dtype of a tensor in an update. The model's parameters are always fp32.
+enum class DType { kF32, kF16, kBF16 };
+
+/// "float32"/"fp32", "float16"/"fp16"/"half", "bfloat16"/"bf16" -> DType; anything else (including
+/// "float64", "int8", different case) -> nullopt.
+std::optional<DType> ParseDType(std::string_view name);
+
+/// Bytes per element: 4, 2, 2. Throws WeightUpdateError for a value outside the enumerators.
+size_t DTypeSize(DType dtype);
+
+/// Canonical name: "float32", "float16", "bfloat16" ("invalid(<n>)" outside the enumerators).
+std::string DTypeName(DType dtype);
+
+/// IEEE binary16 bits -> the exactly equal float: normals, subnormals (m * 2^-24), +-0, +-inf;
+/// NaNs stay NaN with their sign and payload (shifted into the top of the fp32 mantissa).
+float HalfToFloat(uint16_t bits);
+
+/// bfloat16 bits -> float: the bits become the upper half of a binary32 (exact, NaNs included).
+float BFloat16ToFloat(uint16_t bits);
+
+// ---------------------------------------------------------------------------------------------
+// Checksums.
+
+/// The checksum a manifest entry carries: XXH3_64bits(bytes, num_bytes) with seed 0, over the raw
+/// bytes of the tensor exactly as sent (source dtype, little-endian, row-major). Python:
+/// `xxhash.xxh3_64_intdigest(array.tobytes())`.
+uint64_t TensorChecksum(const void* bytes, size_t num_bytes);
+
+/// A borrowed view of one named fp32 tensor, for WeightsChecksum. `data` holds `numel` floats.
+struct NamedTensorView {
+  std::string_view name;
+  const float* data = nullptr;
+  size_t numel = 0;
+};
+
+/// One 64-bit checksum of a set of named fp32 tensors: what the worker reports in an update's
+/// acknowledgement so the trainer can check the weights now in use. Definition (seed 0):
+///
+///   sort the tensors by name, comparing names as byte strings (Python: sorted(names));
+///   h = XXH3_64 streaming state, seed 0
+///   for each tensor:
+///     h.update(u64le(len(name_bytes)))   # 8 bytes
+///     h.update(name_bytes)               # UTF-8, no terminator
+///     h.update(u64le(4 * numel))         # 8 bytes: number of data bytes that follow
+///     h.update(data as float32 little-endian, row-major)
+///   return h.digest()
+///
+/// The length prefixes make the byte stream unambiguous ("ab"+data never collides with "a"+"b"...).
+/// Streaming equals one shot over the concatenation, so a client may also hash the concatenated
+/// bytes once. Shapes are not hashed (they are fixed by the model). An empty set hashes to
+/// XXH3_64bits("") = 0x2d06800538d394c2. Worked example: {"a": [1.0, 2.0], "b": [-0.5]} is the
+/// 46-byte stream (hex) 0100000000000000 61 0800000000000000 0000803f00000040
+///                      0100000000000000 62 0400000000000000 000000bf
+/// and hashes to 0xdb40b7aa04e0f55d. Throws WeightUpdateError on a duplicate name or a null
+/// `data` with numel > 0. Complexity: O(total bytes + n log n).
+uint64_t WeightsChecksum(std::vector<NamedTensorView> tensors);
+
+/// WeightsChecksum over every tensor of `weights` (a WeightMap is already in byte order of names).
+uint64_t WeightsChecksum(const WeightMap& weights);
+
+// ---------------------------------------------------------------------------------------------
+// The transaction.
+
+/// One tensor of an update, as the trainer announces it in the begin frame.
+struct TensorManifestEntry {
+  std::string name;            ///< canonical (Hugging Face) parameter name, see weights.h
+  DType dtype = DType::kF32;   ///< source dtype of the bytes that will be written
+  std::vector<int64_t> shape;  ///< must equal the model parameter's shape
+  uint64_t num_bytes = 0;      ///< must equal prod(shape) * DTypeSize(dtype)
+  uint64_t checksum = 0;       ///< TensorChecksum of the num_bytes source bytes
+};
+
+/// The begin frame of an update.
+struct UpdateManifest {
+  PolicyVersion version = 0;                 ///< must be > the version in use
+  std::vector<TensorManifestEntry> tensors;  ///< each parameter at most once, any order
+  bool partial = false;  ///< true: `tensors` may be a subset of the model's parameters
+};
+
+/// One parameter of the model: canonical name and shape. Parameters are fp32.
+/// A model that ties lm_head to embed_tokens lists model.embed_tokens.weight and no lm_head.weight;
+/// that absence is how WeightUpdateStaging knows the head is tied.
+struct ParamSpec {
+  std::string name;
+  std::vector<int64_t> shape;
+};
+
+/// Result of a transaction call: ok, or an error message naming the tensor (and the byte offset
+/// for a bad write). Expected failures of an update are values, never exceptions.
+class [[nodiscard]] UpdateStatus {
+ public:
+  static UpdateStatus Ok() { return UpdateStatus(true, {}); }
+  static UpdateStatus Error(std::string message) { return UpdateStatus(false, std::move(message)); }
+
+  bool ok() const { return ok_; }
+  /// Empty when ok().
+  const std::string& error() const { return error_; }
+
+ private:
+  UpdateStatus(bool ok, std::string error) : ok_(ok), error_(std::move(error)) {}
+  bool ok_;
+  std::string error_;
+};
+
+/// A verified tensor: the model parameter it replaces and its staged fp32 values
+/// (prod(param->shape) floats, row-major). Both pointers are owned by the WeightUpdateStaging and
+/// stay valid until its next Begin, Abort or Finish.
+struct VerifiedTensor {
+  const ParamSpec* param = nullptr;
+  const std::vector<float>* values = nullptr;
+};
+
+/// Stages and verifies one weight update at a time for a model with a fixed parameter list.
+///
+/// Ownership: owns one fp32 buffer per parameter that an update has named (allocated on first
+/// use, then reused: a full update holds one fp32 copy of the model) plus one raw buffer per
+/// parameter ever sent as fp16/bf16 (2 bytes per element; fp32 sources are written straight into
+/// the fp32 buffer). Buffers are never released or shrunk while the object lives.
+///
+/// Thread safety: not thread-safe. One owner thread (the engine thread, or a transport thread
+/// that hands the verified transaction to the engine thread by message) makes every call.
+///
+/// Errors: any failed call on an open transaction (kStaging or kVerified) poisons it, so nothing
+/// of it can be published; the returned message names the tensor and, for writes, the byte range.
+/// See the state diagram at the top of this file.
+class WeightUpdateStaging {
+ public:
+  enum class State { kIdle, kStaging, kVerified, kPoisoned };
+
+  /// `params`: the model's parameters (fp32), in the model's order; verified() follows it.
+  /// Throws WeightUpdateError on an empty or duplicate name, a negative dimension, or a tensor
+  /// whose fp32 byte size overflows 2^62.
+  explicit WeightUpdateStaging(std::vector<ParamSpec> params);
+
+  WeightUpdateStaging(const WeightUpdateStaging&) = delete;
+  WeightUpdateStaging& operator=(const WeightUpdateStaging&) = delete;
+
+  /// Opens a transaction for `manifest`. kIdle or kPoisoned -> kStaging on success; on failure
+  /// -> kPoisoned (from kIdle/kPoisoned) with the cause recorded. In kStaging or kVerified the
+  /// call is refused and poisons the open transaction ("a new begin while one is open").
+  /// Refused when: manifest.version <= current_version; a name is not a model parameter
+  /// (lm_head.weight of a tied model gets its own message); a name repeats; a shape differs from
+  /// the parameter's; a dtype is outside {fp32, fp16, bf16}; num_bytes != numel * dtype size;
+  /// the manifest is empty; or, unless `partial`, a parameter is missing.
+  /// Cost: O(manifest) plus, the first time a parameter/dtype is staged, allocating its buffer.
+  UpdateStatus Begin(const UpdateManifest& manifest, PolicyVersion current_version);
+
+  /// Copies `num_bytes` bytes of tensor `name`'s source bytes into its buffer at byte `offset`:
+  /// the bytes [offset, offset + num_bytes) of the tensor, in any order and chunking (a chunk may
+  /// split an element). kStaging -> kStaging. Fails and poisons (kStaging/kVerified -> kPoisoned)
+  /// when `name` is not in the manifest, when [offset, offset + num_bytes) leaves [0, entry's
+  /// num_bytes), when it overlaps bytes already written, or after Verify. In kIdle or kPoisoned
+  /// it is refused and changes nothing. An empty write inside the range is a no-op.
+  /// `data` may be null only when num_bytes == 0 (else WeightUpdateError).
+  /// Cost: one memcpy plus O(log k + k) for k disjoint ranges already written to this tensor.
+  UpdateStatus Write(const std::string& name, uint64_t offset, const void* data, size_t num_bytes);
+
+  /// The commit check. kStaging -> kVerified when every manifest tensor was written completely
+  /// (exactly once follows from the overlap check) and its raw bytes hash to the manifest
+  /// checksum; then fp16/bf16 sources are converted into the fp32 buffers. Otherwise ->
+  /// kPoisoned, naming the first incomplete tensor (with its first missing byte range) or the
+  /// first checksum mismatch. A second Verify in kVerified (a duplicate commit) also poisons; in
+  /// kIdle or kPoisoned it is refused and changes nothing.
+  /// Cost: one pass over the staged bytes (hash) plus one conversion pass.
+  UpdateStatus Verify();
+
+  /// The verified tensors, in parameter order, for the apply step. Only in kVerified (else
+  /// WeightUpdateError). Valid until the next Begin, Abort or Finish.
+  const std::vector<VerifiedTensor>& verified() const;
+
+  /// Discards the transaction, whatever its state: any -> kIdle. Buffers are kept for reuse.
+  void Abort();
+
+  /// Closes a transaction whose verified() was applied: kVerified -> kIdle (else
+  /// WeightUpdateError). Buffers are kept for reuse.
+  void Finish();
+
+  State state() const { return state_; }
+  /// True in kStaging or kVerified (a transaction is open and not poisoned).
+  bool active() const { return state_ == State::kStaging || state_ == State::kVerified; }
+  /// The manifest version of the open or poisoned transaction (0 when idle).
+  PolicyVersion pending_version() const { return pending_version_; }
+  /// Why the transaction was poisoned (empty unless kPoisoned).
+  const std::string& poison_cause() const { return poison_cause_; }
+  /// The model's parameters, as given to the constructor.
+  const std::vector<ParamSpec>& params() const { return params_; }
+  /// True when the parameter list implies a tied head (embed_tokens present, lm_head absent).
+  bool tied_lm_head() const { return tied_lm_head_; }
+
+  /// Bytes of tensor data buffers held (capacities of the fp32 and raw buffers), for memory
+  /// flatness checks. Excludes the per-tensor written-range bookkeeping (O(chunks) pairs).
+  size_t staging_bytes() const;
+
+  static const char* StateName(State state);
+
+ private:
+  /// Per-parameter staging state, parallel to params_.
+  struct Slot {
+    uint64_t numel = 0;            // immutable after construction
+    bool in_manifest = false;      // per transaction from here on
+    DType dtype = DType::kF32;
+    uint64_t num_bytes = 0;
+    uint64_t checksum = 0;
+    // Disjoint, sorted, merged half-open byte ranges [begin, end) written so far:
+    //   [0 ........ a)   [b ...... c)        [d ... num_bytes)
+    //   written           written             written
+    std::vector<std::pair<uint64_t, uint64_t>> written;
+    std::vector<float> values;  // fp32 staging buffer, numel floats once used
+    std::vector<uint8_t> raw;   // raw 16-bit source bytes (fp16/bf16 sources only)
+  };
+
+  UpdateStatus Poison(std::string cause);
+  UpdateStatus CheckManifest(const UpdateManifest& manifest, PolicyVersion current_version);
+  std::string UnknownNameMessage(const std::string& name) const;
+  std::string Prefix() const;
+  uint8_t* SourceBytes(Slot& slot);
+
+  // Immutable after construction.
+  std::vector<ParamSpec> params_;
+  std::unordered_map<std::string, size_t> index_by_name_;
+  bool tied_lm_head_ = false;
+
+  // Transaction state (owner thread only).
+  State state_ = State::kIdle;
+  PolicyVersion pending_version_ = 0;
+  std::string poison_cause_;
+  std::vector<Slot> slots_;             // parallel to params_; never resized after construction
+  std::vector<size_t> manifest_slots_;  // slot indices in manifest order (capacity reused)
+  std::vector<VerifiedTensor> verified_;
+};
+
+}  // namespace vroll::policy
