@@ -1,0 +1,204 @@
+#include "cache/paged_kv_cache.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <stdexcept>
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/core/InferenceMode.h>
+#include <fmt/format.h>
+
+#include "policy/check.h"
+#include "policy/logging.h"
+
+namespace vroll::cache {
+
+namespace {
+
+/// Attention of the `group` query heads that share one kv head, for one query row.
+///   q:   [group, head_dim] (contiguous)       out: [group, head_dim]
+///   keys/values of position j at block_base(j) + kv_head * head_dim, stride between positions
+///   within a block = n_kv * head_dim; `scores` scratch [group, num_keys].
+/// Compiled for several ISAs; the choice depends on the CPU only, never on the batch.
+__attribute__((target_clones("avx512f", "avx2", "default")))
+void AttendRow(const float* q, int group, int head_dim, int num_keys, int block_size, const int32_t* table,
+               const float* k_base, const float* v_base, int64_t block_stride, int64_t token_stride, float scale,
+               float* scores, float* out) {
+  for (int j0 = 0, b = 0; j0 < num_keys; j0 += block_size, ++b) {
+    const int n = std::min(block_size, num_keys - j0);
+    const float* kb = k_base + table[b] * block_stride;
+    for (int j = 0; j < n; ++j) {
+      const float* kj = kb + j * token_stride;
+      for (int g = 0; g < group; ++g) {
+        const float* qg = q + g * head_dim;
+        float dot = 0;
+#pragma omp simd reduction(+ : dot)
+        for (int d = 0; d < head_dim; ++d) dot += qg[d] * kj[d];
+        scores[g * num_keys + j0 + j] = dot * scale;
+      }
+    }
+  }
+  for (int g = 0; g < group; ++g) {
+    float* s = scores + g * num_keys;
+    float max_s = s[0];
+    for (int j = 1; j < num_keys; ++j) max_s = std::max(max_s, s[j]);
+    float sum = 0;
+    for (int j = 0; j < num_keys; ++j) {
+      s[j] = std::exp(s[j] - max_s);
+      sum += s[j];
+    }
+    const float inv = 1.0f / sum;
+    for (int j = 0; j < num_keys; ++j) s[j] *= inv;
+    std::memset(out + g * head_dim, 0, sizeof(float) * head_dim);
+  }
+  for (int j0 = 0, b = 0; j0 < num_keys; j0 += block_size, ++b) {
+    const int n = std::min(block_size, num_keys - j0);
+    const float* vb = v_base + table[b] * block_stride;
+    for (int j = 0; j < n; ++j) {
+      const float* vj = vb + j * token_stride;
+      for (int g = 0; g < group; ++g) {
+        const float w = scores[g * num_keys + j0 + j];
+        float* o = out + g * head_dim;
+#pragma omp simd
+        for (int d = 0; d < head_dim; ++d) o[d] += w * vj[d];
+      }
+    }
+  }
+}
+
+}  // namespace
+
+PagedKvCache::PagedKvCache(const policy::ModelConfig& config, int num_blocks, int block_size)
+    : config_(config), num_blocks_(num_blocks), block_size_(block_size) {
+  c10::InferenceMode guard;
+  if (num_blocks <= 0) throw std::invalid_argument(fmt::format("PagedKvCache: num_blocks = {} must be > 0", num_blocks));
+  if (block_size <= 0) throw std::invalid_argument(fmt::format("PagedKvCache: block_size = {} must be > 0", block_size));
+  for (int l = 0; l < config.n_layers; ++l) {
+    k_.push_back(at::zeros({num_blocks, block_size, config.n_kv_heads, config.head_dim()}, at::kFloat));
+    v_.push_back(at::zeros({num_blocks, block_size, config.n_kv_heads, config.head_dim()}, at::kFloat));
+  }
+  const int64_t bytes = BytesPerBlock(config, block_size) * num_blocks;
+  Logger("cache").info("paged KV storage: {} blocks x {} tokens, {:.1f} MiB ({} bytes per block)", num_blocks,
+                       block_size, bytes / 1048576.0, BytesPerBlock(config, block_size));
+}
+
+int64_t PagedKvCache::BytesPerBlock(const policy::ModelConfig& config, int block_size) {
+  return int64_t{2} * config.n_layers * block_size * config.n_kv_heads * config.head_dim() * int64_t{sizeof(float)};
+}
+
+void PagedKvCache::SetStep(PagedStepLayout layout) {
+  const size_t num_seqs = layout.context_lens.size();
+  if (layout.query_start.size() != num_seqs + 1 || layout.block_table_start.size() != num_seqs + 1 ||
+      layout.query_start.front() != 0 || layout.block_table_start.front() != 0 ||
+      layout.block_table_start.back() != static_cast<int32_t>(layout.block_ids.size())) {
+    throw std::invalid_argument(fmt::format(
+        "PagedKvCache::SetStep: inconsistent layout ({} context_lens, {} query_start, {} block_table_start, {} block_ids)",
+        num_seqs, layout.query_start.size(), layout.block_table_start.size(), layout.block_ids.size()));
+  }
+  row_seq_.assign(layout.query_start.back(), 0);
+  for (size_t s = 0; s < num_seqs; ++s) {
+    const int32_t n_new = layout.query_start[s + 1] - layout.query_start[s];
+    const int32_t ctx = layout.context_lens[s];
+    const int32_t num_table = layout.block_table_start[s + 1] - layout.block_table_start[s];
+    if (n_new <= 0 || ctx < n_new || ctx > config_.max_seq_len) {
+      throw std::invalid_argument(fmt::format("PagedKvCache::SetStep: sequence {} has {} new tokens, context_len {}",
+                                              s, n_new, ctx));
+    }
+    if (static_cast<int64_t>(num_table) * block_size_ < ctx) {
+      throw std::invalid_argument(fmt::format(
+          "PagedKvCache::SetStep: sequence {} has {} blocks of {} tokens for context_len {}", s, num_table, block_size_, ctx));
+    }
+    std::fill(row_seq_.begin() + layout.query_start[s], row_seq_.begin() + layout.query_start[s + 1],
+              static_cast<int32_t>(s));
+  }
+  for (int32_t b : layout.block_ids) {
+    if (b < 0 || b >= num_blocks_) {
+      throw std::invalid_argument(fmt::format("PagedKvCache::SetStep: block id {} outside [0, {})", b, num_blocks_));
+    }
+  }
+  layout_ = std::move(layout);
+}
+
+void PagedKvCache::SetVersionCheck(const std::vector<PolicyVersion>* block_versions, PolicyVersion expected) {
+  block_versions_ = block_versions;
+  expected_version_ = expected;
+}
+
+void PagedKvCache::CopyBlocks(const std::vector<std::pair<int32_t, int32_t>>& src_dst) {
+  c10::InferenceMode guard;
+  for (const auto& [src, dst] : src_dst) {
+    VROLL_CHECK(src >= 0 && src < num_blocks_ && dst >= 0 && dst < num_blocks_, "CopyBlocks {} -> {}", src, dst);
+    for (int l = 0; l < config_.n_layers; ++l) {
+      k_[l][dst].copy_(k_[l][src]);
+      v_[l][dst].copy_(v_[l][src]);
+    }
+  }
+}
+
+at::Tensor PagedKvCache::Attend(int layer, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  c10::InferenceMode guard;
+  const int64_t num_tokens = q.size(0);
+  const int n_heads = config_.n_heads, n_kv = config_.n_kv_heads, head_dim = config_.head_dim();
+  const int group = n_heads / n_kv;
+  if (num_tokens != static_cast<int64_t>(row_seq_.size()) || !q.is_cpu() || q.scalar_type() != at::kFloat ||
+      !q.is_contiguous() || !k.is_contiguous() || !v.is_contiguous()) {
+    throw std::invalid_argument(fmt::format(
+        "PagedKvCache::Attend: expects contiguous CPU fp32 q/k/v for the {} rows set by SetStep, got {} rows",
+        row_seq_.size(), num_tokens));
+  }
+  const int64_t token_stride = int64_t{n_kv} * head_dim;  // between positions within a block
+  const int64_t block_stride = token_stride * block_size_;
+  float* k_store = k_[layer].data_ptr<float>();
+  float* v_store = v_[layer].data_ptr<float>();
+  const float* k_new = k.data_ptr<float>();
+  const float* v_new = v.data_ptr<float>();
+  const int32_t* ids = layout_.block_ids.data();
+
+  // 1. Store the new keys and values: row t of sequence s is position ctx - n_new + (t - start).
+  for (size_t s = 0; s + 1 < layout_.query_start.size(); ++s) {
+    const int32_t start = layout_.query_start[s], n_new = layout_.query_start[s + 1] - start;
+    const int32_t first_pos = layout_.context_lens[s] - n_new;
+    const int32_t* table = ids + layout_.block_table_start[s];
+    for (int32_t i = 0; i < n_new; ++i) {
+      const int32_t p = first_pos + i;
+      const int64_t offset = table[p / block_size_] * block_stride + (p % block_size_) * token_stride;
+      std::memcpy(k_store + offset, k_new + (start + i) * token_stride, sizeof(float) * token_stride);
+      std::memcpy(v_store + offset, v_new + (start + i) * token_stride, sizeof(float) * token_stride);
+    }
+    if (block_versions_ != nullptr && layer == 0) {
+      const int32_t num_blocks = (layout_.context_lens[s] + block_size_ - 1) / block_size_;
+      for (int32_t b = 0; b < num_blocks; ++b) {
+        VROLL_CHECK((*block_versions_)[table[b]] == expected_version_,
+                    "attention over KV block {} written under policy version {}, but this step runs version {}",
+                    table[b], (*block_versions_)[table[b]], expected_version_);
+      }
+    }
+  }
+
+  // 2. Attention, one work item per (token row, kv head).
+  at::Tensor out = at::empty({num_tokens, n_heads, head_dim}, at::kFloat);
+  float* out_ptr = out.data_ptr<float>();
+  const float* q_ptr = q.data_ptr<float>();
+  const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
+  at::parallel_for(0, num_tokens * n_kv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t t = item / n_kv;
+      const int kv_head = static_cast<int>(item % n_kv);
+      const int32_t s = row_seq_[t];
+      const int32_t n_new = layout_.query_start[s + 1] - layout_.query_start[s];
+      const int32_t p = layout_.context_lens[s] - n_new + static_cast<int32_t>(t - layout_.query_start[s]);
+      const int num_keys = p + 1;
+      scores.resize(static_cast<size_t>(group) * num_keys);
+      const int64_t head_offset = (t * n_heads + int64_t{kv_head} * group) * head_dim;
+      AttendRow(q_ptr + head_offset, group, head_dim, num_keys, block_size_, ids + layout_.block_table_start[s],
+                k_store + int64_t{kv_head} * head_dim, v_store + int64_t{kv_head} * head_dim, block_stride,
+                token_stride, scale, scores.data(), out_ptr + head_offset);
+    }
+  });
+  return out;
+}
+
+}  // namespace vroll::cache

@@ -1,0 +1,86 @@
+#pragma once
+// KV storage in fixed-size blocks and attention over it (the tensor side of the paged cache;
+// block ids, tables and the radix tree live in KvCacheManager and never touch tensors).
+//
+// Storage, one tensor per layer for keys and one for values:
+//   k[layer], v[layer]: [num_blocks, block_size, n_kv_heads, head_dim] fp32, CPU
+// Token position p of a sequence with block table T lives at
+//   block T[p / block_size], slot p % block_size:
+//
+//   positions  [0 ........ bs) [bs ...... 2bs) [2bs .. p]
+//   table      T[0]            T[1]            T[2]          (T[j] any physical block id)
+//
+// Attention is a CPU kernel on raw pointers that reads keys/values straight from the blocks
+// (no gather copies). Each query row is computed by the same code whatever else is in the
+// batch, so results are batch-invariant. It computes, per query head h (kv head h / group),
+//   out = softmax(q k^T / sqrt(head_dim)) v   over keys at positions [0, p]  (causal),
+// two-pass (scores, max, exp, sum; then the weighted sum of values), in fp32.
+
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+#include "policy/attention_backend.h"
+#include "policy/model_config.h"
+#include "policy/policy_version.h"
+
+namespace vroll::cache {
+
+/// The block layout of one step's packed batch (see policy/attention_backend.h):
+/// sequence s owns token rows [query_start[s], query_start[s+1]), holds context_lens[s] tokens
+/// after the step, and its block table is
+///   block_ids[block_table_start[s] .. block_table_start[s+1])
+/// covering at least ceil(context_lens[s] / block_size) blocks.
+struct PagedStepLayout {
+  std::vector<int32_t> query_start;        // [num_seqs + 1]
+  std::vector<int32_t> context_lens;       // [num_seqs]
+  std::vector<int32_t> block_table_start;  // [num_seqs + 1]
+  std::vector<int32_t> block_ids;          // concatenated block tables
+};
+
+/// Not thread-safe: the engine thread owns it. Attend parallelizes internally (at::parallel_for).
+class PagedKvCache : public policy::AttentionBackend {
+ public:
+  /// Allocates 2 * n_layers tensors of [num_blocks, block_size, n_kv_heads, head_dim] fp32.
+  /// Throws std::invalid_argument when num_blocks or block_size is not positive.
+  PagedKvCache(const policy::ModelConfig& config, int num_blocks, int block_size);
+
+  /// Bytes of K and V storage one block takes over all layers: 2 * n_layers * block_size *
+  /// n_kv_heads * head_dim * 4.
+  static int64_t BytesPerBlock(const policy::ModelConfig& config, int block_size);
+
+  /// Sets the layout of the next Forward. Throws std::invalid_argument on inconsistent sizes,
+  /// block ids outside [0, num_blocks), or a table too short for its context.
+  void SetStep(PagedStepLayout layout);
+
+  /// Turns on the version check (issue: policy versioning): every block a step reads must carry
+  /// `expected` in `block_versions` (indexed by block id; owned by the caller, outliving the
+  /// step), else the process aborts naming the block. nullptr turns it off.
+  void SetVersionCheck(const std::vector<PolicyVersion>* block_versions, PolicyVersion expected);
+
+  /// Copies every layer's keys and values of block src into block dst (copy-on-write of a
+  /// forked sequence's last, partly filled block).
+  void CopyBlocks(const std::vector<std::pair<int32_t, int32_t>>& src_dst);
+
+  at::Tensor Attend(int layer, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) override;
+
+  int num_blocks() const { return num_blocks_; }
+  int block_size() const { return block_size_; }
+  const at::Tensor& keys(int layer) const { return k_[layer]; }
+  const at::Tensor& values(int layer) const { return v_[layer]; }
+
+ private:
+  policy::ModelConfig config_;
+  int num_blocks_;
+  int block_size_;
+  std::vector<at::Tensor> k_;  // per layer [num_blocks, block_size, n_kv_heads, head_dim]
+  std::vector<at::Tensor> v_;
+  PagedStepLayout layout_;
+  std::vector<int32_t> row_seq_;  // [num_tokens]: the sequence of each token row
+  const std::vector<PolicyVersion>* block_versions_ = nullptr;
+  PolicyVersion expected_version_ = 0;
+};
+
+}  // namespace vroll::cache
