@@ -1,0 +1,164 @@
+// Rollout engine throughput: tokens/s versus batch size, and a GRPO workload, on stories260K and
+// on a random model of the stories15M shape; achieved FLOP/s against the GEMM rate measured in
+// the same run. Prints markdown tables; writes CSV (and, with --plot, a PNG via matplotlib).
+//
+//   vroll_engine_bench [--shared ../shared] [--batches 1,4,16,64,256] [--new-tokens 128]
+//                      [--out bench/results] [--quick]
+
+#include <chrono>
+#include <filesystem>
+#include <cstdio>
+#include <fstream>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+
+#include "policy/blas_setup.h"
+#include "policy/default_model.h"
+#include "policy/llama2c_loader.h"
+#include "rollout/engine.h"
+
+namespace {
+
+using vroll::policy::Checkpoint;
+using vroll::policy::ModelConfig;
+using vroll::rollout::Engine;
+using vroll::rollout::EngineConfig;
+using vroll::rollout::Request;
+
+/// Forward FLOPs of one token at context length `ctx`: 2 per weight of every matmul (q, k, v, o,
+/// gate, up, down, output head) plus attention (q.k and p.v: 4 * ctx * head_dim per query head).
+double FlopsPerToken(const ModelConfig& c, double ctx) {
+  const double per_layer = 2.0 * (double(c.dim) * c.dim * 2 + 2.0 * c.dim * c.kv_dim() + 3.0 * c.dim * c.hidden_dim) +
+                           4.0 * ctx * c.head_dim() * c.n_heads;
+  return c.n_layers * per_layer + 2.0 * c.dim * c.vocab_size;
+}
+
+std::vector<Request> MakeRequests(int num_prompts, int n, int prompt_len, int new_tokens, int vocab, uint64_t seed,
+                                  double temperature) {
+  std::mt19937 rng(seed);
+  std::vector<Request> out;
+  for (int i = 0; i < num_prompts; ++i) {
+    Request r;
+    r.request_id = "p" + std::to_string(i);
+    r.prompt = {1};
+    for (int t = 1; t < prompt_len; ++t) r.prompt.push_back(std::uniform_int_distribution<int>(3, vocab - 1)(rng));
+    r.n = n;
+    r.sampling.temperature = temperature;
+    r.sampling.max_new_tokens = new_tokens;
+    r.seed = i;
+    out.push_back(std::move(r));
+  }
+  return out;
+}
+
+struct RunResult {
+  double seconds = 0;
+  int64_t generated = 0;
+  vroll::rollout::EngineStats stats;
+};
+
+RunResult Run(const Checkpoint& ckpt, const EngineConfig& config, const std::vector<Request>& requests) {
+  Engine engine(ckpt, config);
+  const auto t0 = std::chrono::steady_clock::now();
+  const auto results = engine.Generate(requests);
+  RunResult r;
+  r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  for (const auto& s : results) r.generated += static_cast<int64_t>(s.output_ids.size());
+  r.stats = engine.stats();
+  return r;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  vroll::EnsureFastBlas(argc, argv);
+  std::string shared = "../shared", out_dir = "bench/results", batches_arg = "1,4,16,64,128,256";
+  int new_tokens = 128;
+  bool quick = false, plot = false;
+  CLI::App app{"vroll engine benchmark"};
+  app.add_option("--shared", shared, "folder holding models/stories260K.bin")->capture_default_str();
+  app.add_option("--batches", batches_arg, "comma-separated batch sizes")->capture_default_str();
+  app.add_option("--new-tokens", new_tokens, "tokens generated per sample")->capture_default_str();
+  app.add_option("--out", out_dir, "folder for CSV/PNG output")->capture_default_str();
+  app.add_flag("--quick", quick, "small sizes (smoke test)");
+  app.add_flag("--plot", plot, "write a PNG with matplotlib (Debian's /usr/bin/python3)");
+  CLI11_PARSE(app, argc, argv);
+  vroll::ConfigureThreads(0);
+  const vroll::BlasReport blas = vroll::BlasSelfCheck();
+
+  std::vector<int> batches;
+  std::stringstream ss(batches_arg);
+  for (std::string item; std::getline(ss, item, ',');) batches.push_back(std::stoi(item));
+  if (quick) {
+    batches = {1, 8};
+    new_tokens = 16;
+  }
+
+  std::vector<std::pair<std::string, Checkpoint>> models;
+  try {
+    models.emplace_back("stories260K", vroll::policy::LoadLlama2cCheckpoint(shared + "/models/stories260K.bin"));
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "skipping stories260K: %s\n", e.what());
+  }
+  ModelConfig m15;  // stories15M shape
+  m15.dim = 288;
+  m15.hidden_dim = 768;
+  m15.n_layers = 6;
+  m15.n_heads = 6;
+  m15.n_kv_heads = 6;
+  m15.vocab_size = 32000;
+  m15.max_seq_len = 256;
+  models.emplace_back("15M-shape (random)", vroll::policy::MakeRandomCheckpoint(m15, 15));
+
+  std::filesystem::create_directories(out_dir);
+  std::ofstream csv(out_dir + "/throughput.csv");
+  csv << "model,batch,tokens_per_s,gflops,gemm_fraction\n";
+  const int prompt_len = 16;
+  std::printf("\nGEMM rate measured in this run: %.1f GFLOP/s (%s)\n", blas.gemm_gflops, blas.library.c_str());
+  std::printf("\n## Decode throughput vs batch size (prompt %d, %d new tokens, temperature 1)\n\n", prompt_len, new_tokens);
+  std::printf("| model | batch | tokens/s | GFLOP/s | of GEMM rate | steps |\n|---|---|---|---|---|---|\n");
+  for (const auto& [name, ckpt] : models) {
+    for (int b : batches) {
+      EngineConfig config;
+      config.max_num_seqs = std::max(b, 1);
+      config.kv_cache_bytes = int64_t{1} << 30;
+      const RunResult r = Run(ckpt, config, MakeRequests(b, 1, prompt_len, new_tokens, ckpt.config.vocab_size, 1, 1.0));
+      const double tps = r.generated / r.seconds;
+      const double gflops = tps * FlopsPerToken(ckpt.config, prompt_len + new_tokens / 2.0) / 1e9;
+      std::printf("| %s | %d | %.0f | %.1f | %.0f%% | %ld |\n", name.c_str(), b, tps, gflops,
+                  100 * gflops / blas.gemm_gflops, static_cast<long>(r.stats.num_steps));
+      std::fflush(stdout);
+      csv << name << "," << b << "," << tps << "," << gflops << "," << gflops / blas.gemm_gflops << "\n";
+    }
+  }
+
+  const int num_prompts = quick ? 4 : 64, group = 8;
+  std::printf("\n## GRPO workload: %d prompts x %d samples, %d new tokens, prompts of 64 tokens\n\n", num_prompts,
+              group, new_tokens);
+  std::printf("| model | tokens/s | GFLOP/s | of GEMM rate | prompt tokens prefilled | peak blocks | seconds |\n");
+  std::printf("|---|---|---|---|---|---|---|\n");
+  for (const auto& [name, ckpt] : models) {
+    EngineConfig config;
+    config.max_num_seqs = num_prompts * group;
+    config.kv_cache_bytes = int64_t{2} << 30;
+    const RunResult r = Run(ckpt, config, MakeRequests(num_prompts, group, 64, new_tokens, ckpt.config.vocab_size, 2, 1.0));
+    const double tps = r.generated / r.seconds;
+    const double gflops = tps * FlopsPerToken(ckpt.config, 64 + new_tokens / 2.0) / 1e9;
+    std::printf("| %s | %.0f | %.1f | %.0f%% | %ld (of %d submitted) | %d | %.2f |\n", name.c_str(), tps, gflops,
+                100 * gflops / blas.gemm_gflops, static_cast<long>(r.stats.num_prefill_tokens),
+                num_prompts * group * 64, r.stats.peak_used_blocks, r.seconds);
+    std::fflush(stdout);
+  }
+  csv.close();
+  if (plot) {
+    const std::string cmd = "/usr/bin/python3 " + std::string(VROLL_SOURCE_DIR) + "/bench/plot_throughput.py " +
+                            out_dir + "/throughput.csv " + out_dir + "/throughput.png";
+    if (std::system(cmd.c_str()) != 0) std::fprintf(stderr, "plotting failed: %s\n", cmd.c_str());
+  }
+  return 0;
+}

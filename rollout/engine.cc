@@ -1,0 +1,502 @@
+#include "rollout/engine.h"
+
+#include <algorithm>
+#include <chrono>
+#include <limits>
+
+#include <fmt/format.h>
+
+#include "policy/errors.h"
+#include "policy/logging.h"
+#include "rollout/model_runner.h"
+
+namespace vroll::rollout {
+
+namespace {
+
+uint64_t SplitMix(uint64_t& state) {
+  uint64_t z = (state += 0x9e3779b97f4a7c15ULL);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+  return z ^ (z >> 31);
+}
+
+int64_t BytesPerBlock(const policy::ModelConfig& m, int block_size) {
+  return int64_t{2} * m.n_layers * block_size * m.kv_dim() * int64_t{sizeof(float)};
+}
+
+}  // namespace
+
+const char* InFlightModeName(InFlightMode mode) {
+  switch (mode) {
+    case InFlightMode::kDrain: return "drain";
+    case InFlightMode::kAbort: return "abort";
+    case InFlightMode::kRestart: return "restart";
+    case InFlightMode::kContinue: return "continue";
+  }
+  return "unknown";
+}
+
+std::optional<InFlightMode> ParseInFlightMode(const std::string& name) {
+  for (InFlightMode m : {InFlightMode::kDrain, InFlightMode::kAbort, InFlightMode::kRestart, InFlightMode::kContinue}) {
+    if (name == InFlightModeName(m)) return m;
+  }
+  return std::nullopt;
+}
+
+void EngineConfig::Validate() const {
+  auto fail = [](const std::string& msg) { throw policy::ConfigError("engine config: " + msg); };
+  if (kv_cache_bytes <= 0) fail(fmt::format("kv_cache_bytes = {} must be > 0", kv_cache_bytes));
+  if (block_size <= 0) fail(fmt::format("block_size = {} must be > 0", block_size));
+  if (watermark_blocks < -1) fail(fmt::format("watermark_blocks = {} must be >= 0 (or -1: 1%)", watermark_blocks));
+  if (max_num_seqs < 1) fail(fmt::format("max_num_seqs = {} must be >= 1", max_num_seqs));
+  if (max_num_batched_tokens < 1) fail(fmt::format("max_num_batched_tokens = {} must be >= 1", max_num_batched_tokens));
+  if (max_pending_requests < 1) fail(fmt::format("max_pending_requests = {} must be >= 1", max_pending_requests));
+}
+
+Engine::Engine(const policy::Checkpoint& checkpoint, const EngineConfig& config)
+    : config_(config), model_config_(checkpoint.config), seed_state_(config.seed) {
+  config_.Validate();
+  model_config_.Validate("engine model config");
+  const int64_t bytes_per_block = BytesPerBlock(model_config_, config_.block_size);
+  const int64_t num_blocks64 = config_.kv_cache_bytes / bytes_per_block;
+  if (num_blocks64 < 2) {
+    throw policy::ConfigError(fmt::format("engine config: kv_cache_bytes = {} holds {} blocks of {} bytes; need >= 2",
+                                          config_.kv_cache_bytes, num_blocks64, bytes_per_block));
+  }
+  const int num_blocks = static_cast<int>(std::min<int64_t>(num_blocks64, 1 << 30));
+  runner_ = std::make_unique<ModelRunner>(checkpoint, ModelRunnerConfig{num_blocks, config_.block_size,
+                                                                        config_.check_block_versions});
+  cache::KvCacheConfig kv_config;
+  kv_config.num_blocks = num_blocks;
+  kv_config.block_size = config_.block_size;
+  kv_config.enable_prefix_caching = config_.enable_prefix_caching;
+  kv_config.watermark_blocks = config_.watermark_blocks >= 0 ? config_.watermark_blocks : num_blocks / 100;
+  kv_config.bytes_per_block = bytes_per_block;
+  kv_ = std::make_unique<cache::KvCacheManager>(kv_config);
+  SchedulerConfig sched;
+  sched.max_num_seqs = config_.max_num_seqs;
+  sched.max_num_batched_tokens = config_.max_num_batched_tokens;
+  sched.max_model_len = model_config_.max_seq_len;
+  scheduler_ = std::make_unique<Scheduler>(sched, kv_.get());
+  param_specs_ = runner_->ParamSpecs();
+  counters_.num_blocks = num_blocks;
+  snapshot_ = counters_;
+  Logger("rollout").info(
+      "engine: {} KV blocks x {} tokens ({:.1f} MiB), max_num_seqs {}, max_num_batched_tokens {}, prefix caching {}",
+      num_blocks, config_.block_size, num_blocks * bytes_per_block / 1048576.0, config_.max_num_seqs,
+      config_.max_num_batched_tokens, config_.enable_prefix_caching ? "on" : "off");
+}
+
+Engine::~Engine() { Stop(); }
+
+void Engine::Start() {
+  if (thread_.joinable()) return;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = false;
+  }
+  thread_ = std::thread([this] { Loop(); });
+}
+
+void Engine::Stop() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  if (thread_.joinable()) thread_.join();
+  // The engine thread is gone: this thread owns the engine now.
+  AbortAll();
+}
+
+void Engine::AbortAll() {
+  DrainInbox();
+  std::vector<std::string> ids;
+  for (const auto& [id, state] : live_) ids.push_back(id);
+  for (const std::string& id : ids) Emit(scheduler_->AbortRequest(id, FinishReason::kAborted));
+}
+
+SubmitStatus Engine::Validate(const Request& r) const {
+  auto invalid = [](std::string msg) { return SubmitStatus{SubmitStatus::Code::kInvalid, std::move(msg)}; };
+  if (r.request_id.empty()) return invalid("request_id is empty");
+  if (r.prompt.empty()) return invalid("prompt is empty");
+  const int vocab = model_config_.vocab_size;
+  for (size_t i = 0; i < r.prompt.size(); ++i) {
+    if (r.prompt[i] < 0 || r.prompt[i] >= vocab) {
+      return invalid(fmt::format("prompt[{}] = {} outside the vocabulary [0, {})", i, r.prompt[i], vocab));
+    }
+  }
+  if (static_cast<int>(r.prompt.size()) >= model_config_.max_seq_len) {
+    return invalid(fmt::format("prompt has {} tokens; the model's context is {} (at least one must be generated)",
+                               r.prompt.size(), model_config_.max_seq_len));
+  }
+  if (r.n < 1 || r.n > config_.max_num_seqs) {
+    return invalid(fmt::format("n = {} must be in [1, max_num_seqs = {}]", r.n, config_.max_num_seqs));
+  }
+  try {
+    r.sampling.Validate(vocab);
+  } catch (const std::invalid_argument& e) {
+    return invalid(e.what());
+  }
+  return {};
+}
+
+SubmitStatus Engine::Submit(Request request, ResultCallback on_result) {
+  SubmitStatus status = Validate(request);
+  if (!status.ok()) return status;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stop_ && thread_.joinable()) return {SubmitStatus::Code::kStopped, "engine is stopping"};
+    if (num_pending_ >= config_.max_pending_requests) {
+      return {SubmitStatus::Code::kOverloaded,
+              fmt::format("overloaded: {} requests pending (max_pending_requests)", num_pending_)};
+    }
+    if (pending_ids_.count(request.request_id) != 0) {
+      return {SubmitStatus::Code::kInvalid, fmt::format("request_id '{}' is already in flight", request.request_id)};
+    }
+    pending_ids_[request.request_id] = request.n;
+    ++num_pending_;
+    inbox_.emplace_back(std::move(request), std::move(on_result));
+  }
+  cv_.notify_all();
+  return {};
+}
+
+void Engine::Abort(const std::string& request_id) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    abort_inbox_.push_back(request_id);
+  }
+  cv_.notify_all();
+}
+
+void Engine::DrainInbox() {
+  std::vector<std::pair<Request, ResultCallback>> inbox;
+  std::vector<std::string> aborts;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    inbox.swap(inbox_);
+    aborts.swap(abort_inbox_);
+  }
+  for (auto& [request, callback] : inbox) {
+    auto state = std::make_shared<RequestState>();
+    state->seed = request.seed.has_value() ? *request.seed : SplitMix(seed_state_);
+    state->submit_time = Clock::now();
+    state->num_unfinished = request.n;
+    state->request = std::move(request);
+    const std::string id = state->request.request_id;
+    live_[id] = state;
+    callbacks_[id] = std::move(callback);
+    scheduler_->AddRequest(std::move(state));
+  }
+  for (const std::string& id : aborts) Emit(scheduler_->AbortRequest(id, FinishReason::kAborted));
+}
+
+void Engine::Emit(std::vector<SampleResult> results) {
+  for (SampleResult& r : results) {
+    const std::string id = r.request_id;
+    auto cb = callbacks_.find(id);
+    if (cb != callbacks_.end() && cb->second) cb->second(std::move(r));
+    ++counters_.num_finished_samples;
+    auto live = live_.find(id);
+    if (live != live_.end() && ++live->second->num_emitted >= live->second->request.n) {
+      live_.erase(live);
+      callbacks_.erase(id);
+      std::lock_guard<std::mutex> lock(mu_);
+      pending_ids_.erase(id);
+      --num_pending_;
+    }
+  }
+}
+
+bool Engine::Step() {
+  const auto t0 = Clock::now();
+  DrainInbox();
+  const bool admit_new = SafePoint();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (paused_) return false;
+  }
+  if (!scheduler_->HasWork()) return false;
+  const PolicyVersion version = version_.load();
+
+  StepPlan plan = scheduler_->Schedule(version, admit_new ? Scheduler::Admission::kAll
+                                                          : Scheduler::Admission::kInFlightOnly);
+  if (plan.empty()) return false;
+  runner_->Execute(plan, *kv_, version, config_.check_block_versions ? &kv_->block_versions() : nullptr);
+  const std::vector<SamplingTarget> targets = scheduler_->PrepareSampling(plan);
+  const std::vector<TokenChoice> choices = runner_->Sample(targets);
+  std::vector<SampleResult> finished = scheduler_->Commit(plan, targets, choices, version);
+  (void)kv_->ReclaimRetired(64);
+  Emit(std::move(finished));
+
+  ++counters_.num_steps;
+  counters_.num_prefill_tokens += plan.num_prefill_tokens;
+  counters_.num_generated_tokens += static_cast<int64_t>(targets.size());
+  counters_.busy_seconds += std::chrono::duration<double>(Clock::now() - t0).count();
+  PublishStats();
+  return true;
+}
+
+void Engine::PublishStats() {
+  const cache::KvCacheStats kv = kv_->stats();
+  counters_.num_running = scheduler_->num_running();
+  counters_.num_waiting = scheduler_->num_waiting();
+  counters_.num_free_blocks = kv.num_free_blocks;
+  counters_.num_used_blocks = kv.num_used_blocks;
+  counters_.peak_used_blocks = std::max(counters_.peak_used_blocks, kv.num_used_blocks);
+  counters_.num_cached_blocks = kv.num_cached_blocks;
+  const int64_t admitted = kv.num_prefix_hit_tokens + kv.num_prefix_miss_tokens;
+  counters_.prefix_hit_rate = admitted > 0 ? static_cast<double>(kv.num_prefix_hit_tokens) / admitted : 0.0;
+  counters_.num_preemptions = scheduler_->num_preemptions();
+  counters_.tokens_per_second = counters_.num_generated_tokens / std::max(1e-9, counters_.busy_seconds);
+  counters_.policy_version = version_.load();
+  std::lock_guard<std::mutex> lock(mu_);
+  snapshot_ = counters_;
+}
+
+bool Engine::SafePoint() {
+  bool flush = false, paused = false;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!update_ && update_inbox_) {
+      update_ = std::move(update_inbox_);
+      update_inbox_.reset();
+    }
+    flush = flush_requested_;
+    flush_requested_ = false;
+    paused = paused_;
+  }
+  if (flush) {
+    const int32_t evicted = kv_->EvictCachedBlocks(std::numeric_limits<int32_t>::max());
+    while (kv_->ReclaimRetired(1 << 20) > 0) {
+    }
+    Logger("rollout").info("prefix cache flushed: {} blocks evicted", evicted);
+    PublishStats();
+  }
+  if (!update_) return true;
+  PendingUpdate& u = *update_;
+  // Paused, running sequences cannot finish: a drain becomes a restart (said in the ack's counts).
+  const InFlightMode mode = (u.mode == InFlightMode::kDrain && paused) ? InFlightMode::kRestart : u.mode;
+  UpdateResult counts;
+  switch (mode) {
+    case InFlightMode::kDrain:
+      if (scheduler_->HasInFlight()) return false;  // keep stepping, admit nothing new
+      break;
+    case InFlightMode::kAbort:
+      for (Sequence* seq : scheduler_->InFlight()) {
+        std::vector<SampleResult> results = scheduler_->Finish(seq, FinishReason::kAborted);
+        counts.num_aborted += static_cast<int>(results.size());
+        Emit(std::move(results));
+      }
+      break;
+    case InFlightMode::kRestart:
+      for (Sequence* seq : scheduler_->InFlight()) {
+        scheduler_->Requeue(seq, Scheduler::RequeueReason::kRestart);
+        ++counts.num_restarted;
+      }
+      break;
+    case InFlightMode::kContinue:
+      for (Sequence* seq : scheduler_->InFlight()) {
+        scheduler_->Requeue(seq, Scheduler::RequeueReason::kRecompute);
+        ++counts.num_recomputed;
+      }
+      break;
+  }
+  counts.num_drained = u.num_drained;
+  ApplyUpdate(u, counts);
+  update_.reset();
+  return true;
+}
+
+void Engine::ApplyUpdate(PendingUpdate& u, UpdateResult ack) {
+  const auto t0 = Clock::now();
+  ack.mode = u.mode;
+  ack.wait_ms = std::chrono::duration<double, std::milli>(t0 - u.submitted).count();
+  const PolicyVersion new_version = u.staging->pending_version();
+  if (new_version <= version_.load()) {
+    ack.error = fmt::format("update to version {} refused: version {} is already in use", new_version, version_.load());
+    ack.version = version_.load();
+    u.staging->Abort();
+  } else {
+    // One critical section on the engine thread: weights, version and prefix cache move together.
+    runner_->ApplyWeights(u.staging->verified());
+    version_.store(new_version);
+    kv_->Invalidate(new_version);
+    ack.weights_checksum = runner_->WeightsChecksum();
+    ack.version = new_version;
+    ack.ok = true;
+    u.staging->Finish();
+  }
+  ack.stall_ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    update_pending_ = false;
+  }
+  PublishStats();
+  Logger("rollout").info(
+      "weight update {}: version {} ({}; drained {}, aborted {}, restarted {}, recomputed {}; waited {:.1f} ms, "
+      "stall {:.2f} ms, checksum {:016x})",
+      ack.ok ? "applied" : "refused", ack.version, InFlightModeName(ack.mode), ack.num_drained, ack.num_aborted,
+      ack.num_restarted, ack.num_recomputed, ack.wait_ms, ack.stall_ms, ack.weights_checksum);
+  if (u.on_done) u.on_done(std::move(ack));
+}
+
+SubmitStatus Engine::SubmitUpdate(policy::WeightUpdateStaging* staging, InFlightMode mode,
+                                  std::function<void(UpdateResult)> on_done) {
+  if (staging == nullptr || staging->state() != policy::WeightUpdateStaging::State::kVerified) {
+    return {SubmitStatus::Code::kInvalid, "weight update is not verified (commit staging first)"};
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (update_pending_) return {SubmitStatus::Code::kInvalid, "another weight update is pending"};
+    update_pending_ = true;
+    update_inbox_ = PendingUpdate{staging, mode, std::move(on_done), Clock::now(), 0};
+  }
+  cv_.notify_all();
+  return {};
+}
+
+UpdateResult Engine::UpdateWeights(const policy::WeightMap& weights, PolicyVersion version, InFlightMode mode,
+                                   bool partial) {
+  std::lock_guard<std::mutex> one_at_a_time(sync_update_mu_);
+  if (!sync_staging_) sync_staging_ = std::make_unique<policy::WeightUpdateStaging>(param_specs_);
+  policy::WeightUpdateStaging& staging = *sync_staging_;
+  auto refuse = [&](const std::string& error) {
+    staging.Abort();
+    UpdateResult r;
+    r.error = error;
+    r.version = version_.load();
+    r.mode = mode;
+    return r;
+  };
+  policy::UpdateManifest manifest;
+  manifest.version = version;
+  manifest.partial = partial;
+  for (const auto& [name, tensor] : weights) {
+    const size_t bytes = tensor.data.size() * sizeof(float);
+    manifest.tensors.push_back(
+        {name, policy::DType::kF32, tensor.shape, bytes, policy::TensorChecksum(tensor.data.data(), bytes)});
+  }
+  policy::UpdateStatus st = staging.Begin(manifest, version_.load());
+  if (!st.ok()) return refuse(st.error());
+  for (const auto& [name, tensor] : weights) {
+    st = staging.Write(name, 0, tensor.data.data(), tensor.data.size() * sizeof(float));
+    if (!st.ok()) return refuse(st.error());
+  }
+  st = staging.Verify();
+  if (!st.ok()) return refuse(st.error());
+
+  std::mutex mu;
+  std::condition_variable cv;
+  std::optional<UpdateResult> result;
+  SubmitStatus submitted = SubmitUpdate(&staging, mode, [&](UpdateResult r) {
+    std::lock_guard<std::mutex> lock(mu);
+    result = std::move(r);
+    cv.notify_all();
+  });
+  if (!submitted.ok()) return refuse(submitted.error);
+  if (thread_.joinable()) {
+    std::unique_lock<std::mutex> lock(mu);
+    cv.wait(lock, [&] { return result.has_value(); });
+  } else {
+    while (true) {
+      {
+        std::lock_guard<std::mutex> lock(mu);
+        if (result.has_value()) break;
+      }
+      Step();
+    }
+  }
+  return *result;
+}
+
+void Engine::Pause() {
+  std::lock_guard<std::mutex> lock(mu_);
+  paused_ = true;
+}
+
+void Engine::Resume() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    paused_ = false;
+  }
+  cv_.notify_all();
+}
+
+void Engine::FlushCache() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    flush_requested_ = true;
+  }
+  cv_.notify_all();
+}
+
+void Engine::Loop() {
+  auto& log = Logger("rollout");
+  while (true) {
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      if (stop_) break;
+    }
+    bool progressed = false;
+    try {
+      progressed = Step();
+    } catch (const std::exception& e) {
+      // No exception leaves the engine thread: fail every live request with the reason.
+      log.error("engine step failed: {}", e.what());
+      std::vector<std::string> ids;
+      for (const auto& [id, state] : live_) ids.push_back(id);
+      for (const std::string& id : ids) {
+        std::vector<SampleResult> results = scheduler_->AbortRequest(id, FinishReason::kError);
+        for (SampleResult& r : results) r.error = fmt::format("engine step failed: {}", e.what());
+        Emit(std::move(results));
+      }
+    }
+    if (!progressed) {
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait_for(lock, std::chrono::milliseconds(20), [this] {
+        return stop_ || !inbox_.empty() || !abort_inbox_.empty() || update_inbox_.has_value() || flush_requested_;
+      });
+    }
+  }
+}
+
+EngineStats Engine::stats() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return snapshot_;
+}
+
+std::vector<SampleResult> Engine::Generate(const std::vector<Request>& requests) {
+  std::mutex mu;
+  std::condition_variable cv;
+  std::vector<SampleResult> results;
+  size_t expected = 0;
+  for (const Request& r : requests) expected += static_cast<size_t>(std::max(r.n, 0));
+  for (const Request& r : requests) {
+    SubmitStatus s = Submit(r, [&](SampleResult result) {
+      std::lock_guard<std::mutex> lock(mu);
+      results.push_back(std::move(result));
+      cv.notify_all();
+    });
+    if (!s.ok()) throw std::invalid_argument(fmt::format("request '{}' refused: {}", r.request_id, s.error));
+  }
+  if (thread_.joinable()) {
+    std::unique_lock<std::mutex> lock(mu);
+    cv.wait(lock, [&] { return results.size() >= expected; });
+  } else {
+    while (results.size() < expected) {
+      if (!Step()) {
+        throw std::runtime_error(fmt::format("engine went idle with {} of {} samples unfinished (min_policy_version "
+                                             "not reached?)", expected - results.size(), expected));
+      }
+    }
+  }
+  std::sort(results.begin(), results.end(), [](const SampleResult& a, const SampleResult& b) {
+    return std::tie(a.request_id, a.sample_index) < std::tie(b.request_id, b.sample_index);
+  });
+  return results;
+}
+
+}  // namespace vroll::rollout

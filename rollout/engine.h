@@ -1,0 +1,223 @@
+#pragma once
+// The rollout engine: one thread owns the scheduler, the KV cache and the model, and runs
+//   safe point (weight updates) -> schedule -> run model -> sample -> finish/free/emit
+// in a loop. Other threads submit requests and receive each sample's result as it finishes.
+// Torch-free header: the transport layer includes it.
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include "cache/kv_cache_manager.h"
+#include "policy/weight_update.h"
+#include "policy/weights.h"
+#include "rollout/request.h"
+#include "rollout/scheduler.h"
+
+namespace vroll::rollout {
+
+class ModelRunner;
+
+struct EngineConfig {
+  int64_t kv_cache_bytes = int64_t{256} << 20;  ///< KV memory budget (all layers, K and V), bytes
+  int block_size = 16;                          ///< tokens per KV block
+  bool enable_prefix_caching = true;
+  /// Blocks kept free at admission for running sequences to grow into; -1: 1% of the blocks.
+  int watermark_blocks = -1;
+  int max_num_seqs = 256;             ///< running sequences at once
+  int max_num_batched_tokens = 2048;  ///< tokens computed per step (decodes + prefill chunks)
+  /// Requests accepted but not finished, at most; beyond it Submit answers "overloaded".
+  int max_pending_requests = 4096;
+  uint64_t seed = 0;  ///< draws the seeds of requests that carry none
+  bool check_block_versions = false;  ///< see ModelRunnerConfig; on in tests
+
+  /// Throws policy::ConfigError naming the field.
+  void Validate() const;
+};
+
+/// Outcome of Submit: ok, or why the request was refused (nothing was queued).
+struct [[nodiscard]] SubmitStatus {
+  enum class Code { kOk, kInvalid, kOverloaded, kStopped };
+  Code code = Code::kOk;
+  std::string error;  ///< names the bad field, e.g. "prompt[3] = 600 outside the vocabulary [0, 512)"
+  bool ok() const { return code == Code::kOk; }
+};
+
+/// What happens to sequences in flight when a weight update commits (chosen per update).
+enum class InFlightMode {
+  kDrain,     ///< stop admitting, finish running sequences under the old weights, then apply
+  kAbort,     ///< running sequences end "aborted"; their partial tokens keep the old version
+  kRestart,   ///< running sequences drop their tokens and start again under the new version
+  kContinue,  ///< running sequences recompute their KV under the new weights and go on; their
+              ///< tokens carry version spans
+};
+
+/// "drain", "abort", "restart", "continue".
+const char* InFlightModeName(InFlightMode mode);
+/// Parses InFlightModeName's names; nullopt for anything else.
+std::optional<InFlightMode> ParseInFlightMode(const std::string& name);
+
+/// The acknowledgement of a weight update.
+struct UpdateResult {
+  bool ok = false;
+  std::string error;            ///< names the tensor / field when !ok; nothing was changed then
+  PolicyVersion version = 0;    ///< the version now in use (the new one when ok)
+  uint64_t weights_checksum = 0;  ///< policy::WeightsChecksum of every parameter now in use
+  InFlightMode mode = InFlightMode::kDrain;
+  int num_drained = 0;     ///< sequences that finished under the old weights before the swap
+  int num_aborted = 0;     ///< samples ended "aborted"
+  int num_restarted = 0;   ///< sequences restarted from their prompt
+  int num_recomputed = 0;  ///< sequences whose KV is recomputed under the new weights
+  double wait_ms = 0;      ///< submit -> swap (draining time)
+  double stall_ms = 0;     ///< engine time inside the swap: copy, version bump, cache invalidation
+};
+
+/// A snapshot; counters are cumulative since construction.
+struct EngineStats {
+  int num_running = 0;
+  int num_waiting = 0;
+  int num_blocks = 0;
+  int num_free_blocks = 0;
+  int num_used_blocks = 0;
+  int num_cached_blocks = 0;
+  int peak_used_blocks = 0;    ///< most blocks in use after any step
+  double prefix_hit_rate = 0;  ///< prompt tokens served from the prefix cache / prompt tokens admitted
+  int64_t num_steps = 0;
+  int64_t num_prefill_tokens = 0;   ///< prompt (and recompute) tokens computed
+  int64_t num_generated_tokens = 0;
+  int64_t num_preemptions = 0;
+  int64_t num_finished_samples = 0;
+  double busy_seconds = 0;          ///< time spent in steps
+  double tokens_per_second = 0;     ///< generated tokens / busy seconds
+  PolicyVersion policy_version = 0;
+};
+
+/// Thread safety: Submit, Abort, stats and policy_version may be called from any thread.
+/// Start/Stop from the owning thread. Step and Generate without Start run the engine on the
+/// calling thread (which then owns it).
+class Engine {
+ public:
+  using ResultCallback = std::function<void(SampleResult)>;
+
+  /// Builds the model and the KV cache (num_blocks = kv_cache_bytes / bytes per block; logged).
+  /// Throws policy::LoadError / ConfigError.
+  Engine(const policy::Checkpoint& checkpoint, const EngineConfig& config);
+  ~Engine();  ///< stops the thread; unfinished samples end with finish reason "aborted"
+
+  /// Starts the engine thread.
+  void Start();
+  /// Stops the engine thread after the current step; unfinished samples get "aborted" results.
+  void Stop();
+
+  /// Validates and queues `request`; `on_result` is called once per sample, on the engine thread,
+  /// as each finishes (it must be quick: enqueue and return). Refusals are returned, not thrown.
+  SubmitStatus Submit(Request request, ResultCallback on_result);
+  /// Ends the request's unfinished samples with finish reason "aborted". Unknown ids: no-op.
+  void Abort(const std::string& request_id);
+
+  /// Submits all and waits for every sample's result; returns them ordered by (request, sample).
+  /// With the thread stopped, runs steps on the calling thread. Throws std::invalid_argument
+  /// naming the request when one is refused.
+  std::vector<SampleResult> Generate(const std::vector<Request>& requests);
+
+  /// Runs one step on the calling thread (engine not started). Returns false when idle.
+  bool Step();
+
+  // ---- Weight updates ---------------------------------------------------------------------------
+
+  /// The model's parameters (canonical names, shapes), for a WeightUpdateStaging. Immutable.
+  const std::vector<policy::ParamSpec>& param_specs() const { return param_specs_; }
+
+  /// Hands a verified transaction to the engine thread, which at its next safe point (after
+  /// dealing with in-flight sequences per `mode`) copies the weights into the model, bumps the
+  /// version and invalidates the prefix cache in one critical section, then calls `on_done` (on
+  /// the engine thread) with the acknowledgement. `staging` must be verified and left untouched
+  /// until `on_done` runs; the engine calls staging->Finish() before it. Refused (returned, and
+  /// `on_done` not called) when another update is pending or the staging is not verified.
+  /// Queued requests holding no KV never delay an update. While paused, a drain update restarts
+  /// the running sequences (they cannot finish without running).
+  SubmitStatus SubmitUpdate(policy::WeightUpdateStaging* staging, InFlightMode mode,
+                            std::function<void(UpdateResult)> on_done);
+
+  /// Convenience for in-process trainers and tests: stages `weights` (fp32, canonical names;
+  /// all parameters unless `partial`) as version `version`, verifies, submits and waits for the
+  /// acknowledgement (running steps on this thread when the engine thread is not started).
+  UpdateResult UpdateWeights(const policy::WeightMap& weights, PolicyVersion version,
+                             InFlightMode mode = InFlightMode::kDrain, bool partial = false);
+
+  /// Pause: no steps run (pending updates still apply at the safe point). Resume: steps again.
+  void Pause();
+  void Resume();
+  /// Drops every unreferenced block of the prefix cache at the next safe point.
+  void FlushCache();
+
+  EngineStats stats() const;
+  PolicyVersion policy_version() const { return version_.load(); }
+  const policy::ModelConfig& model_config() const { return model_config_; }
+
+ private:
+  struct PendingUpdate {
+    policy::WeightUpdateStaging* staging = nullptr;
+    InFlightMode mode = InFlightMode::kDrain;
+    std::function<void(UpdateResult)> on_done;
+    Clock::time_point submitted;
+    int num_drained = 0;
+  };
+
+  void Loop();
+  void DrainInbox();
+  /// The safe point: applies a pending update when its mode allows. Returns whether admissions
+  /// may go on this step (false while draining).
+  bool SafePoint();
+  /// Swaps the weights, bumps the version and invalidates the prefix cache; acknowledges.
+  void ApplyUpdate(PendingUpdate& update, UpdateResult ack);
+  void PublishStats();
+  void Emit(std::vector<SampleResult> results);
+  void AbortAll();
+  SubmitStatus Validate(const Request& request) const;
+
+  // Immutable after construction.
+  const EngineConfig config_;
+  policy::ModelConfig model_config_;
+  std::vector<policy::ParamSpec> param_specs_;
+
+  // Engine thread only.
+  std::unique_ptr<ModelRunner> runner_;
+  std::unique_ptr<cache::KvCacheManager> kv_;
+  std::unique_ptr<Scheduler> scheduler_;
+  std::unordered_map<std::string, std::shared_ptr<RequestState>> live_;  // by request id
+  std::unordered_map<std::string, ResultCallback> callbacks_;
+  uint64_t seed_state_;
+  EngineStats counters_;
+  std::optional<PendingUpdate> update_;          // taken from update_inbox_ at a safe point
+  std::mutex sync_update_mu_;  // one UpdateWeights at a time; guards sync_staging_
+  std::unique_ptr<policy::WeightUpdateStaging> sync_staging_;  // UpdateWeights' buffers, reused
+
+  std::atomic<PolicyVersion> version_{0};
+
+  // Inbox: guarded by mu_.
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<std::pair<Request, ResultCallback>> inbox_;
+  std::vector<std::string> abort_inbox_;
+  int num_pending_ = 0;   // accepted and not finished (bounded by max_pending_requests)
+  std::unordered_map<std::string, int> pending_ids_;  // live request ids (duplicate check)
+  bool stop_ = false;
+  bool paused_ = false;
+  bool flush_requested_ = false;
+  std::optional<PendingUpdate> update_inbox_;
+  bool update_pending_ = false;  // submitted and not yet acknowledged
+  EngineStats snapshot_;  // published after each step
+
+  std::thread thread_;
+};
+
+}  // namespace vroll::rollout

@@ -1,0 +1,65 @@
+#pragma once
+// ModelRunner: the only part of the engine that touches tensors. It turns a StepPlan into one
+// packed forward pass over the paged KV cache and samples tokens from the resulting logits.
+// Torch-free header (pimpl), so that the engine and the transport layer compile fast.
+
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "cache/kv_cache_manager.h"
+#include "policy/weight_update.h"
+#include "policy/weights.h"
+#include "rollout/scheduler.h"
+
+namespace vroll::rollout {
+
+struct ModelRunnerConfig {
+  int num_blocks = 0;
+  int block_size = 16;
+  /// Abort (naming the block) when a step reads a KV block stamped with another policy version
+  /// than the step's. Costs a pass over the block tables per step; on in tests.
+  bool check_block_versions = false;
+};
+
+/// Not thread-safe: the engine thread owns it.
+class ModelRunner {
+ public:
+  /// Builds the model from `checkpoint` (throws policy::LoadError on bad weights) and allocates
+  /// the paged KV storage (num_blocks x block_size tokens, every layer).
+  ModelRunner(const policy::Checkpoint& checkpoint, const ModelRunnerConfig& config);
+  ~ModelRunner();
+
+  const policy::ModelConfig& model_config() const;
+
+  /// Performs `plan.copies`, then one forward over the plan's packed tokens, block tables from
+  /// `kv`. Keeps the logits of each sampling sequence's last row for Sample().
+  /// `version` is the policy version the step runs (checked against blocks when enabled;
+  /// block versions come from `block_versions`, indexed by block id, may be null).
+  void Execute(const StepPlan& plan, const cache::KvCacheManager& kv, PolicyVersion version,
+               const std::vector<PolicyVersion>* block_versions);
+
+  /// Samples one token per target from the last Execute's logits (row targets[i].row), with each
+  /// sequence's own generator; parallel over targets, deterministic per sequence.
+  std::vector<TokenChoice> Sample(const std::vector<SamplingTarget>& targets);
+
+  /// The model's parameters (canonical names and shapes), in NamedParameters order.
+  std::vector<policy::ParamSpec> ParamSpecs() const;
+
+  /// Copies verified fp32 values into the model's parameters (the swap of a weight update).
+  /// Tied heads share storage with the embedding, so they change with it.
+  void ApplyWeights(const std::vector<policy::VerifiedTensor>& tensors);
+
+  /// policy::WeightsChecksum over every parameter now in use.
+  uint64_t WeightsChecksum() const;
+
+  /// Bytes of KV storage per block (all layers, K and V).
+  int64_t bytes_per_block() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace vroll::rollout

@@ -1,0 +1,68 @@
+#pragma once
+// Token sampling from one row of logits, with the logprob an RL trainer needs.
+//
+// Logprob convention (vLLM's default, the behavior policy's distribution):
+//   logprob = log_softmax(logits / temperature)[token], computed BEFORE top-k / top-p
+//   truncation. At temperature 0 (greedy) it is log_softmax(logits)[token], i.e. temperature 1.
+// Torch-free: works on a float row so that its cost and determinism are ours to control.
+
+#include <cstdint>
+#include <vector>
+
+#include "rollout/sampling_params.h"
+
+namespace vroll::rollout {
+
+/// SplitMix64 (Steele, Lea, Flood: "Fast splittable pseudorandom number generators", 2014).
+/// One stream per sample, keyed by (request seed, sample index), so a sample's draws never
+/// depend on batch composition. Not thread-safe; each sequence owns one.
+class SequenceRng {
+ public:
+  SequenceRng(uint64_t seed, uint64_t sample_index);
+  /// Next 64 random bits.
+  uint64_t Next();
+  /// Uniform double in [0, 1) with 53 random bits.
+  double NextUniform();
+
+ private:
+  uint64_t state_;
+};
+
+struct TokenChoice {
+  TokenId token = 0;
+  float logprob = 0;  ///< see the convention above
+};
+
+/// One row of the distribution to sample from, all [vocab_size]:
+///   logits:   raw model logits (greedy takes their first maximum, as llama2.c does);
+///   logprobs: log_softmax(logits / t), t = temperature (1 when greedy);
+///   probs:    exp(logprobs).
+/// ModelRunner computes logprobs and probs for a whole batch with vectorized LibTorch kernels;
+/// SampleToken computes them for one row with scalar code.
+struct DistributionRow {
+  const float* logits = nullptr;
+  const float* logprobs = nullptr;
+  const float* probs = nullptr;
+  int vocab_size = 0;
+};
+
+/// Picks a token from `row` under `params` (top-k, then top-p, both over the probabilities
+/// sorted by (probability desc, id asc); then inverse CDF with one uniform from `rng`; greedy at
+/// temperature 0 draws nothing). `scratch` is reused between calls. Deterministic: the same row,
+/// params and rng state give the same choice, bit for bit.
+TokenChoice SampleFromDistribution(const DistributionRow& row, const SamplingParams& params, SequenceRng& rng,
+                                   std::vector<int>& scratch);
+
+/// Writes log_softmax(logits / t) into `logprobs` and its exp into `probs` (t = temperature,
+/// or 1 when it is 0), scalar code with a double-precision sum.
+void ComputeDistribution(const float* logits, int vocab_size, double temperature, float* logprobs, float* probs);
+
+/// ComputeDistribution + SampleFromDistribution for one row (vroll-generate, tests).
+TokenChoice SampleToken(const float* logits, int vocab_size, const SamplingParams& params, SequenceRng& rng,
+                        std::vector<float>& scratch);
+
+/// log_softmax(logits / temperature)[token] (temperature 0 -> 1), the same arithmetic as
+/// SampleToken's logprob. For recomputing logprobs in tests and scoring passes.
+float TokenLogprob(const float* logits, int vocab_size, double temperature, TokenId token);
+
+}  // namespace vroll::rollout

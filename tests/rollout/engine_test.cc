@@ -1,0 +1,340 @@
+// The rollout engine against independent oracles: each prompt decoded alone (greedy, and seeded
+// sampling whatever the batch), a full-sequence forward for logprobs, the unconstrained run for
+// preempted sequences, and counted prefill tokens for GRPO groups.
+
+#include <algorithm>
+#include <map>
+#include <random>
+#include <set>
+#include <thread>
+
+#include <ATen/ATen.h>
+#include <c10/core/InferenceMode.h>
+#include <gtest/gtest.h>
+
+#include "policy/contiguous_kv_cache.h"
+#include "policy/default_model.h"
+#include "policy/llama2c_loader.h"
+#include "policy/llama_model.h"
+#include "rollout/engine.h"
+#include "rollout/sampler.h"
+#include "tests/support/test_paths.h"
+
+namespace vroll::rollout {
+namespace {
+
+using policy::Checkpoint;
+using policy::TokenId;
+
+const Checkpoint& Stories() {
+  static const Checkpoint ckpt = policy::LoadLlama2cCheckpoint(testing::SharedPath("models/stories260K.bin"));
+  return ckpt;
+}
+
+const Checkpoint& Default() {
+  static const Checkpoint ckpt = policy::MakeDefaultCheckpoint(1);
+  return ckpt;
+}
+
+Request MakeRequest(const std::string& id, std::vector<TokenId> prompt, int max_new, double temperature = 0,
+                    int n = 1, std::optional<uint64_t> seed = std::nullopt) {
+  Request r;
+  r.request_id = id;
+  r.prompt = std::move(prompt);
+  r.n = n;
+  r.sampling.max_new_tokens = max_new;
+  r.sampling.temperature = temperature;
+  r.seed = seed;
+  return r;
+}
+
+std::vector<TokenId> RandomPrompt(std::mt19937& rng, int len, int vocab) {
+  std::vector<TokenId> p = {1};
+  for (int i = 1; i < len; ++i) p.push_back(std::uniform_int_distribution<int>(3, vocab - 1)(rng));
+  return p;
+}
+
+EngineConfig SmallConfig() {
+  EngineConfig c;
+  c.kv_cache_bytes = 64 << 20;
+  c.check_block_versions = true;
+  return c;
+}
+
+/// log_softmax(logits / T)[token] for every output token, from ONE full-sequence forward of
+/// prompt + output through the contiguous cache: an independent recompute.
+std::vector<float> RecomputeLogprobs(const Checkpoint& ckpt, const std::vector<TokenId>& prompt,
+                                     const std::vector<TokenId>& output, double temperature) {
+  c10::InferenceMode guard;
+  policy::LlamaModel model(ckpt);
+  std::vector<TokenId> all = prompt;
+  all.insert(all.end(), output.begin(), output.end());
+  all.pop_back();  // the last output token is never an input
+  policy::ContiguousKvCache kv(model.config(), 1);
+  policy::ForwardBatch b;
+  for (size_t i = 0; i < all.size(); ++i) {
+    b.token_ids.push_back(all[i]);
+    b.positions.push_back(static_cast<int32_t>(i));
+  }
+  for (size_t i = prompt.size() - 1; i < all.size(); ++i) b.logits_rows.push_back(static_cast<int32_t>(i));
+  kv.SetStep({0}, {0, static_cast<int>(all.size())}, {static_cast<int>(all.size())});
+  at::Tensor logits = model.Forward(b, kv).contiguous();
+  std::vector<float> out;
+  for (size_t i = 0; i < output.size(); ++i) {
+    out.push_back(TokenLogprob(logits[i].data_ptr<float>(), model.config().vocab_size, temperature, output[i]));
+  }
+  return out;
+}
+
+TEST(EngineTest, BatchedGreedyEqualsEachPromptDecodedAlone) {
+  VROLL_REQUIRE_SHARED();
+  std::mt19937 rng(1);
+  std::vector<Request> requests;
+  for (int i = 0; i < 12; ++i) {
+    requests.push_back(MakeRequest("r" + std::to_string(i), RandomPrompt(rng, 1 + i * 7, 512), 40));
+  }
+  Engine batched(Stories(), SmallConfig());
+  const std::vector<SampleResult> together = batched.Generate(requests);
+  ASSERT_EQ(together.size(), requests.size());
+  for (size_t i = 0; i < requests.size(); ++i) {
+    Engine alone_engine(Stories(), SmallConfig());
+    const SampleResult alone = alone_engine.Generate({requests[i]})[0];
+    const SampleResult& t = *std::find_if(together.begin(), together.end(),
+                                          [&](const SampleResult& r) { return r.request_id == requests[i].request_id; });
+    EXPECT_EQ(t.output_ids, alone.output_ids) << requests[i].request_id;
+    EXPECT_EQ(t.logprobs, alone.logprobs) << requests[i].request_id;  // bitwise: batch invariance
+    EXPECT_EQ(t.output_ids.size(), 40u);
+    EXPECT_EQ(t.finish_reason, FinishReason::kLength);
+  }
+}
+
+TEST(EngineTest, SeededSamplingIsBitwiseReproducibleWhateverTheBatch) {
+  std::mt19937 rng(2);
+  const Request target = MakeRequest("target", RandomPrompt(rng, 9, 259), 30, 0.8, 3, 1234);
+  std::vector<SampleResult> reference;
+  {
+    Engine e(Default(), SmallConfig());
+    reference = e.Generate({target});
+  }
+  for (int trial = 0; trial < 3; ++trial) {
+    std::vector<Request> batch = {target};
+    for (int i = 0; i < 5 + 7 * trial; ++i) {
+      batch.push_back(MakeRequest("other" + std::to_string(i), RandomPrompt(rng, 1 + (i * 13) % 40, 259),
+                                  5 + i * 3, 1.0, 1 + i % 3));
+    }
+    std::shuffle(batch.begin(), batch.end(), rng);
+    EngineConfig config = SmallConfig();
+    config.max_num_batched_tokens = 64 + 32 * trial;  // different chunking of the prompts too
+    Engine e(Default(), config);
+    std::vector<SampleResult> got;
+    for (const SampleResult& r : e.Generate(batch)) {
+      if (r.request_id == "target") got.push_back(r);
+    }
+    ASSERT_EQ(got.size(), reference.size());
+    for (size_t s = 0; s < got.size(); ++s) {
+      EXPECT_EQ(got[s].output_ids, reference[s].output_ids) << "trial " << trial << " sample " << s;
+      EXPECT_EQ(got[s].logprobs, reference[s].logprobs) << "trial " << trial << " sample " << s;
+    }
+  }
+  // The three samples of the request are different draws.
+  EXPECT_NE(reference[0].output_ids, reference[1].output_ids);
+}
+
+TEST(EngineTest, LogprobsEqualAFullSequenceRecompute) {
+  VROLL_REQUIRE_SHARED();
+  std::vector<Request> requests = {MakeRequest("t1", {1, 403, 407}, 60, 1.0, 4, 7),
+                                   MakeRequest("t07", {1, 403, 407, 261, 378}, 60, 0.7, 2, 8),
+                                   MakeRequest("greedy", {1}, 60, 0.0)};
+  requests[1].sampling.top_p = 0.9;
+  requests[1].sampling.top_k = 40;
+  Engine e(Stories(), SmallConfig());
+  for (const SampleResult& r : e.Generate(requests)) {
+    const Request& req = *std::find_if(requests.begin(), requests.end(),
+                                       [&](const Request& q) { return q.request_id == r.request_id; });
+    ASSERT_EQ(r.logprobs.size(), r.output_ids.size());
+    const std::vector<float> want = RecomputeLogprobs(Stories(), req.prompt, r.output_ids, req.sampling.temperature);
+    for (size_t i = 0; i < want.size(); ++i) {
+      ASSERT_NEAR(r.logprobs[i], want[i], 1e-4) << r.request_id << " sample " << r.sample_index << " token " << i;
+    }
+  }
+}
+
+TEST(EngineTest, PreemptionUnderATinyBlockBudgetCompletesEveryRequestWithTheSameGreedyOutput) {
+  VROLL_REQUIRE_SHARED();
+  std::mt19937 rng(3);
+  std::vector<Request> requests;
+  for (int i = 0; i < 10; ++i) requests.push_back(MakeRequest("p" + std::to_string(i), RandomPrompt(rng, 10 + 3 * i, 512), 60));
+  Engine roomy(Stories(), SmallConfig());
+  const std::vector<SampleResult> want = roomy.Generate(requests);
+
+  EngineConfig tiny = SmallConfig();
+  tiny.block_size = 4;
+  tiny.watermark_blocks = 0;
+  tiny.kv_cache_bytes = 60 * 2 * 5 * 4 * 32 * 4;  // 60 blocks of 4 tokens: ~2 sequences' worth at full length
+  Engine cramped(Stories(), tiny);
+  const std::vector<SampleResult> got = cramped.Generate(requests);
+  ASSERT_EQ(got.size(), want.size());
+  for (size_t i = 0; i < got.size(); ++i) {
+    EXPECT_EQ(got[i].request_id, want[i].request_id);
+    EXPECT_EQ(got[i].output_ids, want[i].output_ids) << got[i].request_id;
+    for (size_t t = 0; t < got[i].logprobs.size(); ++t) EXPECT_NEAR(got[i].logprobs[t], want[i].logprobs[t], 1e-4);
+  }
+  EXPECT_GT(cramped.stats().num_preemptions, 0);
+  int preempted_samples = 0;
+  for (const SampleResult& r : got) preempted_samples += r.num_preemptions > 0;
+  EXPECT_GT(preempted_samples, 0);
+}
+
+TEST(EngineTest, StopTokensAndMaxNewTokensAreHonored) {
+  Engine e(Default(), SmallConfig());
+  // Find what greedy decoding produces, then stop on its 5th token.
+  const SampleResult free_run = e.Generate({MakeRequest("free", {1, 50, 60}, 20)})[0];
+  ASSERT_EQ(free_run.output_ids.size(), 20u);
+  const TokenId stop = free_run.output_ids[4];
+  const size_t first = std::find(free_run.output_ids.begin(), free_run.output_ids.end(), stop) - free_run.output_ids.begin();
+
+  Request with_stop = MakeRequest("stop_in", {1, 50, 60}, 20);
+  with_stop.sampling.stop_token_ids = {stop};
+  Request without_stop = with_stop;
+  without_stop.request_id = "stop_out";
+  without_stop.sampling.include_stop_token = false;
+  const std::vector<SampleResult> r = e.Generate({with_stop, without_stop});
+  EXPECT_EQ(r[0].finish_reason, FinishReason::kStop);
+  EXPECT_EQ(r[0].output_ids, std::vector<TokenId>(free_run.output_ids.begin(), free_run.output_ids.begin() + first + 1));
+  EXPECT_EQ(r[1].finish_reason, FinishReason::kStop);
+  EXPECT_EQ(r[1].output_ids, std::vector<TokenId>(free_run.output_ids.begin(), free_run.output_ids.begin() + first));
+  EXPECT_EQ(r[1].logprobs.size(), first);
+  const SampleResult short_run = e.Generate({MakeRequest("short", {1, 50, 60}, 3)})[0];
+  EXPECT_EQ(short_run.output_ids.size(), 3u);
+  EXPECT_EQ(short_run.finish_reason, FinishReason::kLength);
+}
+
+TEST(EngineTest, GroupOfEightPrefillsItsPromptOnce) {
+  std::mt19937 rng(4);
+  const std::vector<TokenId> prompt = RandomPrompt(rng, 45, 259);
+  Engine e(Default(), SmallConfig());
+  const std::vector<SampleResult> r = e.Generate({MakeRequest("grpo", prompt, 12, 1.0, 8, 99)});
+  ASSERT_EQ(r.size(), 8u);
+  EXPECT_EQ(e.stats().num_prefill_tokens, static_cast<int64_t>(prompt.size()));
+  std::set<std::vector<TokenId>> distinct;
+  for (int i = 0; i < 8; ++i) {
+    EXPECT_EQ(r[i].sample_index, i);
+    EXPECT_EQ(r[i].output_ids.size(), 12u);
+    distinct.insert(r[i].output_ids);
+  }
+  EXPECT_GT(distinct.size(), 4u);
+  // Eight singles of the same prompt prefill it... once too, after the first, via the prefix cache
+  // for every full block: 45 tokens = 2 full blocks of 16 shared, 13 recomputed each.
+  Engine singles(Default(), SmallConfig());
+  std::vector<Request> eight;
+  for (int i = 0; i < 8; ++i) eight.push_back(MakeRequest("s" + std::to_string(i), prompt, 1, 1.0, 1, i));
+  (void)singles.Generate({eight[0]});
+  std::vector<Request> rest(eight.begin() + 1, eight.end());
+  for (const SampleResult& s : singles.Generate(rest)) EXPECT_EQ(s.num_cached_prompt_tokens, 32) << s.request_id;
+}
+
+TEST(EngineTest, ChunkedPrefillOfALongPromptEqualsOneShotPrefill) {
+  VROLL_REQUIRE_SHARED();
+  std::mt19937 rng(5);
+  const Request r = MakeRequest("long", RandomPrompt(rng, 300, 512), 30);
+  EngineConfig one_shot = SmallConfig();
+  one_shot.max_num_batched_tokens = 1024;
+  EngineConfig chunked = SmallConfig();
+  chunked.max_num_batched_tokens = 37;
+  Engine a(Stories(), one_shot), b(Stories(), chunked);
+  const SampleResult x = a.Generate({r})[0], y = b.Generate({r})[0];
+  EXPECT_EQ(x.output_ids, y.output_ids);
+  for (size_t i = 0; i < x.logprobs.size(); ++i) EXPECT_NEAR(x.logprobs[i], y.logprobs[i], 1e-4);
+  EXPECT_GE(b.stats().num_steps, 300 / 37 + 30);
+}
+
+TEST(EngineTest, ThreadedSubmittersGetExactlyOneResultPerSample) {
+  Engine e(Default(), SmallConfig());
+  e.Start();
+  std::mutex mu;
+  std::map<std::pair<std::string, int>, int> seen;
+  std::atomic<int> done{0};
+  std::vector<std::thread> threads;
+  constexpr int kThreads = 4, kPerThread = 15;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      std::mt19937 rng(100 + t);
+      for (int i = 0; i < kPerThread; ++i) {
+        Request r = MakeRequest("t" + std::to_string(t) + "_" + std::to_string(i), RandomPrompt(rng, 5 + i, 259),
+                                4 + i % 7, 1.0, 1 + i % 4);
+        SubmitStatus s = e.Submit(r, [&](SampleResult result) {
+          std::lock_guard<std::mutex> lock(mu);
+          ++seen[{result.request_id, result.sample_index}];
+          ++done;
+        });
+        ASSERT_TRUE(s.ok()) << s.error;
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  int expected = 0;
+  for (int i = 0; i < kPerThread; ++i) expected += kThreads * (1 + i % 4);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while (done.load() < expected && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  e.Stop();
+  ASSERT_EQ(done.load(), expected) << "timed out waiting for results";
+  for (const auto& [key, count] : seen) EXPECT_EQ(count, 1) << key.first << "/" << key.second;
+  EXPECT_EQ(static_cast<int>(seen.size()), expected);
+}
+
+TEST(EngineTest, AbortAndStopGiveEveryAcceptedSampleOneResult) {
+  Engine e(Default(), SmallConfig());
+  std::vector<SampleResult> results;
+  auto collect = [&](SampleResult r) { results.push_back(std::move(r)); };
+  ASSERT_TRUE(e.Submit(MakeRequest("a", {1, 2, 3}, 200, 1.0, 3), collect).ok());
+  ASSERT_TRUE(e.Submit(MakeRequest("b", {1, 2, 3, 4}, 200, 1.0, 2), collect).ok());
+  for (int i = 0; i < 5; ++i) ASSERT_TRUE(e.Step());
+  e.Abort("a");
+  ASSERT_TRUE(e.Step());
+  EXPECT_EQ(results.size(), 3u);
+  for (const SampleResult& r : results) {
+    EXPECT_EQ(r.request_id, "a");
+    EXPECT_EQ(r.finish_reason, FinishReason::kAborted);
+    EXPECT_EQ(r.output_ids.size(), r.logprobs.size());
+  }
+  e.Stop();
+  EXPECT_EQ(results.size(), 5u);
+}
+
+TEST(EngineTest, InvalidRequestsAreRefusedNamingTheField) {
+  Engine e(Default(), SmallConfig());
+  auto refuse = [&](Request r) { return e.Submit(std::move(r), nullptr); };
+  SubmitStatus s = refuse(MakeRequest("x", {1, 999}, 5));
+  EXPECT_FALSE(s.ok());
+  EXPECT_NE(s.error.find("prompt[1] = 999"), std::string::npos) << s.error;
+  s = refuse(MakeRequest("x", {}, 5));
+  EXPECT_NE(s.error.find("prompt is empty"), std::string::npos) << s.error;
+  s = refuse(MakeRequest("x", std::vector<TokenId>(256, 5), 5));
+  EXPECT_NE(s.error.find("context"), std::string::npos) << s.error;
+  s = refuse(MakeRequest("x", {1}, 5, 1.0, 0));
+  EXPECT_NE(s.error.find("n = 0"), std::string::npos) << s.error;
+  Request bad_p = MakeRequest("x", {1}, 5, 1.0);
+  bad_p.sampling.top_p = 1.5;
+  s = refuse(bad_p);
+  EXPECT_NE(s.error.find("top_p"), std::string::npos) << s.error;
+  s = refuse(MakeRequest("x", {1}, 0));
+  EXPECT_NE(s.error.find("max_new_tokens"), std::string::npos) << s.error;
+  EXPECT_EQ(s.code, SubmitStatus::Code::kInvalid);
+}
+
+TEST(EngineTest, BoundedQueueAnswersOverloaded) {
+  EngineConfig c = SmallConfig();
+  c.max_pending_requests = 3;
+  Engine e(Default(), c);
+  for (int i = 0; i < 3; ++i) ASSERT_TRUE(e.Submit(MakeRequest("q" + std::to_string(i), {1}, 2), nullptr).ok());
+  SubmitStatus s = e.Submit(MakeRequest("q3", {1}, 2), nullptr);
+  EXPECT_EQ(s.code, SubmitStatus::Code::kOverloaded);
+  while (e.Step()) {
+  }
+  EXPECT_TRUE(e.Submit(MakeRequest("q3", {1}, 2), nullptr).ok());
+}
+
+}  // namespace
+}  // namespace vroll::rollout

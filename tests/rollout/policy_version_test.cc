@@ -1,0 +1,400 @@
+// Policy versioning in the engine, each claim against an independent oracle: logprobs recomputed
+// by a fresh model built from the weights of the tagged version (and not matching the
+// neighbouring versions), prefix-cache counters, the acknowledgement's checksum recomputed from
+// the pushed weights, resident memory over hundreds of updates.
+
+#include <algorithm>
+#include <atomic>
+#include <fstream>
+#include <future>
+#include <set>
+#include <map>
+#include <random>
+#include <thread>
+#include <unistd.h>
+
+#include <ATen/ATen.h>
+#include <c10/core/InferenceMode.h>
+#include <gtest/gtest.h>
+
+#include "policy/contiguous_kv_cache.h"
+#include "policy/default_model.h"
+#include "policy/llama_model.h"
+#include "rollout/engine.h"
+#include "rollout/sampler.h"
+
+namespace vroll::rollout {
+namespace {
+
+using policy::Checkpoint;
+using policy::TokenId;
+using policy::WeightMap;
+
+/// The default model's weights plus N(0, scale^2) noise (norms included), seeded.
+WeightMap Perturbed(const Checkpoint& base, uint64_t seed, float scale = 0.02f) {
+  WeightMap w = base.weights;
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> noise(0.0f, scale);
+  for (auto& [name, t] : w) {
+    for (float& x : t.data) x += noise(rng);
+  }
+  return w;
+}
+
+/// log_softmax(logits / T)[token] for each output token, from one full-sequence forward of a
+/// fresh model built from `weights`: independent of the engine's paged path and its caches.
+std::vector<float> Recompute(const Checkpoint& base, const WeightMap& weights, const std::vector<TokenId>& prompt,
+                             const std::vector<TokenId>& output, double temperature) {
+  c10::InferenceMode guard;
+  Checkpoint ckpt{base.config, weights};
+  policy::LlamaModel model(ckpt);
+  std::vector<TokenId> all = prompt;
+  all.insert(all.end(), output.begin(), output.end());
+  all.pop_back();
+  policy::ContiguousKvCache kv(model.config(), 1);
+  policy::ForwardBatch b;
+  for (size_t i = 0; i < all.size(); ++i) {
+    b.token_ids.push_back(all[i]);
+    b.positions.push_back(static_cast<int32_t>(i));
+  }
+  for (size_t i = prompt.size() - 1; i < all.size(); ++i) b.logits_rows.push_back(static_cast<int32_t>(i));
+  kv.SetStep({0}, {0, static_cast<int>(all.size())}, {static_cast<int>(all.size())});
+  at::Tensor logits = model.Forward(b, kv).contiguous();
+  std::vector<float> out;
+  for (size_t i = 0; i < output.size(); ++i) {
+    out.push_back(TokenLogprob(logits[i].data_ptr<float>(), model.config().vocab_size, temperature, output[i]));
+  }
+  return out;
+}
+
+double MaxAbsDiff(const std::vector<float>& a, const std::vector<float>& b) {
+  double m = 0;
+  for (size_t i = 0; i < a.size(); ++i) m = std::max(m, std::abs(double(a[i]) - b[i]));
+  return m;
+}
+
+Request MakeRequest(const std::string& id, std::vector<TokenId> prompt, int max_new, double temperature = 1.0,
+                    int n = 1) {
+  Request r;
+  r.request_id = id;
+  r.prompt = std::move(prompt);
+  r.n = n;
+  r.sampling.max_new_tokens = max_new;
+  r.sampling.temperature = temperature;
+  return r;
+}
+
+class PolicyVersionTest : public ::testing::Test {
+ protected:
+  PolicyVersionTest() : base_(policy::MakeDefaultCheckpoint(21)) {
+    config_.kv_cache_bytes = 32 << 20;
+    config_.check_block_versions = true;
+  }
+  std::vector<TokenId> Prompt(int len, uint64_t seed) const {
+    std::mt19937 rng(static_cast<uint32_t>(seed));
+    std::vector<TokenId> p = {1};
+    for (int i = 1; i < len; ++i) p.push_back(std::uniform_int_distribution<int>(3, 258)(rng));
+    return p;
+  }
+  Checkpoint base_;
+  EngineConfig config_;
+};
+
+TEST_F(PolicyVersionTest, UpdateInvalidatesThePrefixCacheAndNewLogprobsMatchTheNewWeights) {
+  Engine e(base_, config_);
+  const std::vector<TokenId> prompt = Prompt(70, 1);  // 4 full blocks of 16
+  const SampleResult first = e.Generate({MakeRequest("a", prompt, 10)})[0];
+  EXPECT_EQ(first.policy_version, 0u);
+  const SampleResult again = e.Generate({MakeRequest("b", prompt, 10)})[0];
+  EXPECT_EQ(again.num_cached_prompt_tokens, 64);  // the cache works before the update
+
+  const WeightMap v1 = Perturbed(base_, 1);
+  const UpdateResult ack = e.UpdateWeights(v1, 1);
+  ASSERT_TRUE(ack.ok) << ack.error;
+  EXPECT_EQ(ack.version, 1u);
+  EXPECT_EQ(ack.weights_checksum, policy::WeightsChecksum(v1));  // independent: hash of what we pushed
+  EXPECT_EQ(e.policy_version(), 1u);
+
+  const SampleResult after = e.Generate({MakeRequest("c", prompt, 10)})[0];
+  EXPECT_EQ(after.num_cached_prompt_tokens, 0);
+  EXPECT_EQ(after.policy_version, 1u);
+  EXPECT_LE(MaxAbsDiff(after.logprobs, Recompute(base_, v1, prompt, after.output_ids, 1.0)), 1e-4);
+  EXPECT_GT(MaxAbsDiff(after.logprobs, Recompute(base_, base_.weights, prompt, after.output_ids, 1.0)), 1e-3);
+}
+
+TEST_F(PolicyVersionTest, FailedUpdatesNeverPublishAVersion) {
+  Engine e(base_, config_);
+  const Request greedy = MakeRequest("g", Prompt(20, 2), 15, 0.0);
+  const std::vector<TokenId> before = e.Generate({greedy})[0].output_ids;
+
+  WeightMap bad = Perturbed(base_, 2);
+  bad["model.layers.1.mlp.up_proj.weight"].shape = {1, 1};  // wrong shape
+  bad["model.layers.1.mlp.up_proj.weight"].data.resize(1);
+  UpdateResult ack = e.UpdateWeights(bad, 1);
+  EXPECT_FALSE(ack.ok);
+  EXPECT_NE(ack.error.find("model.layers.1.mlp.up_proj.weight"), std::string::npos) << ack.error;
+  EXPECT_EQ(e.policy_version(), 0u);
+
+  WeightMap missing = Perturbed(base_, 3);
+  missing.erase("model.norm.weight");
+  ack = e.UpdateWeights(missing, 1);
+  EXPECT_FALSE(ack.ok);
+  EXPECT_NE(ack.error.find("model.norm.weight"), std::string::npos) << ack.error;
+
+  ack = e.UpdateWeights(Perturbed(base_, 4), 0);  // not greater than the current version
+  EXPECT_FALSE(ack.ok);
+  EXPECT_EQ(e.policy_version(), 0u);
+  Request again = greedy;
+  again.request_id = "g2";
+  EXPECT_EQ(e.Generate({again})[0].output_ids, before);  // the model is untouched
+
+  // An explicitly partial update may change a subset.
+  WeightMap part;
+  part["model.norm.weight"] = Perturbed(base_, 5, 0.5f)["model.norm.weight"];
+  ack = e.UpdateWeights(part, 1, InFlightMode::kDrain, /*partial=*/true);
+  EXPECT_TRUE(ack.ok) << ack.error;
+  WeightMap expected = base_.weights;
+  expected["model.norm.weight"] = part["model.norm.weight"];
+  EXPECT_EQ(ack.weights_checksum, policy::WeightsChecksum(expected));
+}
+
+TEST_F(PolicyVersionTest, AbortModeWithThirtyLongGenerationsGivesEveryRequestOneResult) {
+  Engine e(base_, config_);
+  e.Start();
+  std::mutex mu;
+  std::map<std::string, std::vector<SampleResult>> results;
+  for (int i = 0; i < 30; ++i) {
+    ASSERT_TRUE(e.Submit(MakeRequest("long" + std::to_string(i), Prompt(5 + i, 100 + i), 200),
+                         [&](SampleResult r) {
+                           std::lock_guard<std::mutex> lock(mu);
+                           results[r.request_id].push_back(std::move(r));
+                         })
+                    .ok());
+  }
+  // Wait until generation is under way, then update in abort mode.
+  for (int i = 0; i < 2000 && e.stats().num_generated_tokens < 60; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  const WeightMap v1 = Perturbed(base_, 6);
+  const UpdateResult ack = e.UpdateWeights(v1, 1, InFlightMode::kAbort);
+  ASSERT_TRUE(ack.ok) << ack.error;
+  EXPECT_GT(ack.num_aborted, 0);
+  e.Stop();
+  ASSERT_EQ(results.size(), 30u);
+  int aborted = 0;
+  for (const auto& [id, rs] : results) {
+    ASSERT_EQ(rs.size(), 1u) << id;
+    const SampleResult& r = rs[0];
+    if (r.finish_reason == FinishReason::kAborted) {
+      ++aborted;
+      for (const VersionSpan& span : r.version_spans) EXPECT_EQ(span.version, 0u) << id;
+    }
+  }
+  EXPECT_EQ(aborted, ack.num_aborted);
+}
+
+TEST_F(PolicyVersionTest, RestartModeSucceedsWithRequestsQueuedAndRestartsFromThePrompt) {
+  EngineConfig c = config_;
+  c.max_num_seqs = 2;  // most requests stay queued
+  Engine e(base_, c);
+  std::vector<SampleResult> results;
+  for (int i = 0; i < 8; ++i) {
+    ASSERT_TRUE(e.Submit(MakeRequest("q" + std::to_string(i), Prompt(10, 200 + i), 12), [&](SampleResult r) {
+      results.push_back(std::move(r));
+    }).ok());
+  }
+  for (int i = 0; i < 4; ++i) ASSERT_TRUE(e.Step());
+  EXPECT_GT(e.stats().num_waiting, 0);
+  const WeightMap v1 = Perturbed(base_, 7);
+  const UpdateResult ack = e.UpdateWeights(v1, 1, InFlightMode::kRestart);
+  ASSERT_TRUE(ack.ok) << ack.error;
+  EXPECT_EQ(ack.num_restarted, 2);
+  while (e.Step()) {
+  }
+  ASSERT_EQ(results.size(), 8u);
+  for (const SampleResult& r : results) {
+    EXPECT_EQ(r.policy_version, 1u) << r.request_id;
+    ASSERT_EQ(r.version_spans.size(), 1u);
+    EXPECT_EQ(r.version_spans[0], (VersionSpan{0, 12, 1}));
+    EXPECT_LE(MaxAbsDiff(r.logprobs, Recompute(base_, v1, Prompt(10, 200 + std::stoi(r.request_id.substr(1))),
+                                               r.output_ids, 1.0)),
+              1e-4);
+  }
+}
+
+TEST_F(PolicyVersionTest, DrainFinishesRunningUnderOldWeightsAndStartsQueuedUnderNew) {
+  EngineConfig c = config_;
+  c.max_num_seqs = 3;
+  Engine e(base_, c);
+  std::vector<SampleResult> results;
+  for (int i = 0; i < 6; ++i) {
+    ASSERT_TRUE(e.Submit(MakeRequest("d" + std::to_string(i), Prompt(8, 300 + i), 10), [&](SampleResult r) {
+      results.push_back(std::move(r));
+    }).ok());
+  }
+  ASSERT_TRUE(e.Step());
+  const WeightMap v1 = Perturbed(base_, 8);
+  const UpdateResult ack = e.UpdateWeights(v1, 1, InFlightMode::kDrain);
+  ASSERT_TRUE(ack.ok);
+  while (e.Step()) {
+  }
+  ASSERT_EQ(results.size(), 6u);
+  int old_version = 0;
+  for (const SampleResult& r : results) {
+    ASSERT_EQ(r.version_spans.size(), 1u) << r.request_id;  // never mixed
+    const WeightMap& w = r.policy_version == 0 ? base_.weights : v1;
+    old_version += r.policy_version == 0;
+    EXPECT_LE(MaxAbsDiff(r.logprobs, Recompute(base_, w, Prompt(8, 300 + std::stoi(r.request_id.substr(1))),
+                                               r.output_ids, 1.0)),
+              1e-4)
+        << r.request_id;
+  }
+  EXPECT_EQ(old_version, 3);  // the three running at the update
+}
+
+TEST_F(PolicyVersionTest, ContinueModeRecomputesKvAndTagsVersionSpans) {
+  Engine e(base_, config_);
+  std::vector<SampleResult> results;
+  const std::vector<TokenId> prompt = Prompt(12, 400);
+  ASSERT_TRUE(e.Submit(MakeRequest("c", prompt, 20), [&](SampleResult r) { results.push_back(std::move(r)); }).ok());
+  for (int i = 0; i < 6; ++i) ASSERT_TRUE(e.Step());  // prefill + 5 decodes: 6 tokens under v0
+  const WeightMap v1 = Perturbed(base_, 9);
+  const UpdateResult ack = e.UpdateWeights(v1, 1, InFlightMode::kContinue);
+  ASSERT_TRUE(ack.ok);
+  EXPECT_EQ(ack.num_recomputed, 1);
+  while (e.Step()) {
+  }
+  ASSERT_EQ(results.size(), 1u);
+  const SampleResult& r = results[0];
+  ASSERT_EQ(r.version_spans.size(), 2u);
+  EXPECT_EQ(r.version_spans[0], (VersionSpan{0, 6, 0}));
+  EXPECT_EQ(r.version_spans[1], (VersionSpan{6, 20, 1}));
+  EXPECT_EQ(r.policy_version, 1u);
+  // Each span's logprobs are those of its version's weights, given the full prefix.
+  const std::vector<float> under_v0 = Recompute(base_, base_.weights, prompt, r.output_ids, 1.0);
+  const std::vector<float> under_v1 = Recompute(base_, v1, prompt, r.output_ids, 1.0);
+  for (int i = 0; i < 20; ++i) EXPECT_NEAR(r.logprobs[i], i < 6 ? under_v0[i] : under_v1[i], 1e-4) << i;
+}
+
+TEST_F(PolicyVersionTest, MinPolicyVersionWaitsForTheUpdate) {
+  Engine e(base_, config_);
+  e.Start();
+  std::promise<SampleResult> got;
+  Request r = MakeRequest("later", Prompt(6, 500), 5);
+  r.min_policy_version = 1;
+  ASSERT_TRUE(e.Submit(r, [&](SampleResult s) { got.set_value(std::move(s)); }).ok());
+  auto future = got.get_future();
+  EXPECT_EQ(future.wait_for(std::chrono::milliseconds(200)), std::future_status::timeout);
+  ASSERT_TRUE(e.UpdateWeights(Perturbed(base_, 10), 1).ok);
+  ASSERT_EQ(future.wait_for(std::chrono::seconds(30)), std::future_status::ready);
+  EXPECT_EQ(future.get().policy_version, 1u);
+  e.Stop();
+}
+
+TEST_F(PolicyVersionTest, PausedEngineStillAppliesUpdatesWithoutDeadlock) {
+  Engine e(base_, config_);
+  e.Start();
+  std::atomic<int> done{0};
+  for (int i = 0; i < 4; ++i) {
+    ASSERT_TRUE(e.Submit(MakeRequest("p" + std::to_string(i), Prompt(6, 600 + i), 50), [&](SampleResult) { ++done; }).ok());
+  }
+  for (int i = 0; i < 2000 && e.stats().num_generated_tokens < 8; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  e.Pause();
+  const UpdateResult ack = e.UpdateWeights(Perturbed(base_, 11), 1, InFlightMode::kDrain);  // returns: no deadlock
+  ASSERT_TRUE(ack.ok);
+  EXPECT_EQ(ack.num_restarted + ack.num_drained, ack.num_restarted);  // drain while paused = restart
+  e.Resume();
+  for (int i = 0; i < 30000 && done.load() < 4; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  EXPECT_EQ(done.load(), 4);
+  e.Stop();
+}
+
+long ResidentKiB() {
+  std::ifstream statm("/proc/self/statm");
+  long pages_total = 0, pages_resident = 0;
+  statm >> pages_total >> pages_resident;
+  return pages_resident * (sysconf(_SC_PAGESIZE) / 1024);
+}
+
+TEST_F(PolicyVersionTest, TwoHundredUpdatesKeepResidentMemoryFlat) {
+  Engine e(base_, config_);
+  const WeightMap a = Perturbed(base_, 12), b = Perturbed(base_, 13);
+  for (int v = 1; v <= 20; ++v) ASSERT_TRUE(e.UpdateWeights(v % 2 ? a : b, v).ok);
+  const long warm = ResidentKiB();
+  for (int v = 21; v <= 220; ++v) {
+    ASSERT_TRUE(e.UpdateWeights(v % 2 ? a : b, v).ok);
+    if (v % 50 == 0) (void)e.Generate({MakeRequest("m" + std::to_string(v), Prompt(10, v), 4)});
+  }
+  const long after = ResidentKiB();
+  // The model's weights are ~0.8 MB; growing by one copy per update would add ~160 MB.
+  EXPECT_LT(after - warm, 4 * 1024) << "resident memory grew from " << warm << " KiB to " << after << " KiB";
+  EXPECT_EQ(e.policy_version(), 220u);
+}
+
+TEST_F(PolicyVersionTest, ConcurrentSubmittersAndUpdatesNeverDeadlockAndEverySampleMatchesItsTaggedVersion) {
+  Engine e(base_, config_);
+  e.Start();
+  constexpr int kVersions = 4;
+  std::vector<WeightMap> weights = {base_.weights};
+  for (int v = 1; v <= kVersions; ++v) weights.push_back(Perturbed(base_, 1000 + v, 0.05f));
+  std::mutex mu;
+  std::vector<std::pair<Request, SampleResult>> results;
+  std::atomic<bool> stop_submitting{false};
+  std::atomic<int> submitted{0};
+  std::vector<std::thread> submitters;
+  for (int t = 0; t < 3; ++t) {
+    submitters.emplace_back([&, t] {
+      for (int i = 0; !stop_submitting.load() || i < 5; ++i) {
+        Request r = MakeRequest("s" + std::to_string(t) + "_" + std::to_string(i), Prompt(4 + i % 20, t * 1000 + i),
+                                6 + i % 10, 1.0, 1 + i % 3);
+        const Request copy = r;
+        if (e.Submit(r, [&, copy](SampleResult s) {
+               std::lock_guard<std::mutex> lock(mu);
+               results.emplace_back(copy, std::move(s));
+             }).ok()) {
+          submitted += copy.n;
+        }
+        std::this_thread::sleep_for(std::chrono::milliseconds(2));
+      }
+    });
+  }
+  const InFlightMode modes[] = {InFlightMode::kDrain, InFlightMode::kAbort, InFlightMode::kRestart,
+                                InFlightMode::kContinue};
+  for (int v = 1; v <= kVersions; ++v) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(30));
+    const UpdateResult ack = e.UpdateWeights(weights[v], v, modes[(v - 1) % 4]);
+    ASSERT_TRUE(ack.ok) << ack.error;
+  }
+  stop_submitting = true;
+  for (auto& t : submitters) t.join();
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+  while (std::chrono::steady_clock::now() < deadline) {
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      if (static_cast<int>(results.size()) >= submitted.load()) break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  e.Stop();
+  ASSERT_EQ(static_cast<int>(results.size()), submitted.load()) << "lost samples (or a deadlock)";
+  std::set<std::pair<std::string, int>> seen;
+  int checked = 0;
+  for (const auto& [req, r] : results) {
+    EXPECT_TRUE(seen.insert({r.request_id, r.sample_index}).second) << "duplicate " << r.request_id;
+    if (r.output_ids.empty()) continue;
+    // Every span: logprobs match the tagged version's weights, not its neighbours'.
+    for (const VersionSpan& span : r.version_spans) {
+      std::vector<float> got(r.logprobs.begin() + span.begin, r.logprobs.begin() + span.end);
+      auto under = [&](size_t v) {
+        std::vector<float> all = Recompute(base_, weights[v], req.prompt, r.output_ids, 1.0);
+        return std::vector<float>(all.begin() + span.begin, all.begin() + span.end);
+      };
+      EXPECT_LE(MaxAbsDiff(got, under(span.version)), 1e-4) << r.request_id << " v" << span.version;
+      if (span.version > 0) EXPECT_GT(MaxAbsDiff(got, under(span.version - 1)), 1e-4) << r.request_id;
+      if (span.version < kVersions) EXPECT_GT(MaxAbsDiff(got, under(span.version + 1)), 1e-4) << r.request_id;
+    }
+    ++checked;
+  }
+  EXPECT_GT(checked, 20);
+}
+
+}  // namespace
+}  // namespace vroll::rollout

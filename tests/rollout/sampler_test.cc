@@ -1,0 +1,128 @@
+// Sampler against closed-form distributions: softmax(logits / T), truncated by top-k / top-p.
+
+#include <cmath>
+#include <map>
+#include <numeric>
+
+#include <gtest/gtest.h>
+
+#include "rollout/sampler.h"
+
+namespace vroll::rollout {
+namespace {
+
+std::vector<double> Softmax(const std::vector<float>& logits, double t) {
+  std::vector<double> p(logits.size());
+  double max_v = *std::max_element(logits.begin(), logits.end());
+  double sum = 0;
+  for (size_t i = 0; i < p.size(); ++i) sum += p[i] = std::exp((logits[i] - max_v) / t);
+  for (double& x : p) x /= sum;
+  return p;
+}
+
+/// Empirical frequencies of `draws` samples.
+std::vector<double> Frequencies(const std::vector<float>& logits, const SamplingParams& params, int draws) {
+  SequenceRng rng(params.seed, 0);
+  std::vector<float> scratch;
+  std::vector<double> freq(logits.size(), 0);
+  for (int i = 0; i < draws; ++i) {
+    freq[SampleToken(logits.data(), static_cast<int>(logits.size()), params, rng, scratch).token] += 1.0 / draws;
+  }
+  return freq;
+}
+
+const std::vector<float> kLogits = {1.0f, 2.5f, 0.3f, 2.5f, -1.0f, 1.7f};
+
+TEST(SamplerTest, GreedyPicksTheFirstMaximumAndReportsTemperatureOneLogprob) {
+  SamplingParams p;
+  p.temperature = 0;
+  SequenceRng rng(0, 0);
+  std::vector<float> scratch;
+  const TokenChoice c = SampleToken(kLogits.data(), 6, p, rng, scratch);
+  EXPECT_EQ(c.token, 1);
+  EXPECT_NEAR(c.logprob, std::log(Softmax(kLogits, 1.0)[1]), 1e-6);
+}
+
+TEST(SamplerTest, FrequenciesMatchSoftmaxOfScaledLogits) {
+  SamplingParams p;
+  p.temperature = 0.7;
+  p.seed = 3;
+  const std::vector<double> want = Softmax(kLogits, 0.7), got = Frequencies(kLogits, p, 200000);
+  for (size_t i = 0; i < want.size(); ++i) EXPECT_NEAR(got[i], want[i], 0.005) << i;
+}
+
+TEST(SamplerTest, TopKKeepsTheKMostLikelyRenormalized) {
+  SamplingParams p;
+  p.top_k = 3;  // ids 1, 3 (2.5) and 5 (1.7)
+  p.seed = 4;
+  const std::vector<double> full = Softmax(kLogits, 1.0), got = Frequencies(kLogits, p, 200000);
+  const double mass = full[1] + full[3] + full[5];
+  for (int i : {0, 2, 4}) EXPECT_EQ(got[i], 0.0) << i;
+  for (int i : {1, 3, 5}) EXPECT_NEAR(got[i], full[i] / mass, 0.005) << i;
+}
+
+TEST(SamplerTest, TopPKeepsTheSmallestNucleus) {
+  SamplingParams p;
+  p.seed = 5;
+  const std::vector<double> full = Softmax(kLogits, 1.0);
+  p.top_p = (full[1] + full[3]) * 1.001;  // needs ids 1, 3 and then 5 to reach it
+  std::vector<double> got = Frequencies(kLogits, p, 200000);
+  const double mass = full[1] + full[3] + full[5];
+  for (int i : {0, 2, 4}) EXPECT_EQ(got[i], 0.0) << i;
+  for (int i : {1, 3, 5}) EXPECT_NEAR(got[i], full[i] / mass, 0.005) << i;
+  p.top_p = (full[1] + full[3]) * 0.999;  // ids 1 and 3 suffice
+  got = Frequencies(kLogits, p, 50000);
+  EXPECT_EQ(got[5], 0.0);
+  EXPECT_NEAR(got[1] + got[3], 1.0, 1e-12);
+}
+
+TEST(SamplerTest, LogprobIsTakenBeforeTruncation) {
+  SamplingParams p;
+  p.top_k = 1;
+  p.temperature = 0.5;
+  SequenceRng rng(1, 0);
+  std::vector<float> scratch;
+  const TokenChoice c = SampleToken(kLogits.data(), 6, p, rng, scratch);
+  EXPECT_EQ(c.token, 1);
+  EXPECT_NEAR(c.logprob, std::log(Softmax(kLogits, 0.5)[1]), 1e-6);
+  EXPECT_NEAR(TokenLogprob(kLogits.data(), 6, 0.5, 1), c.logprob, 1e-7);
+}
+
+TEST(SamplerTest, StreamsAreReproducibleAndDistinctPerSample) {
+  SequenceRng a(42, 0), b(42, 0), c(42, 1), d(43, 0);
+  for (int i = 0; i < 100; ++i) {
+    const uint64_t x = a.Next();
+    EXPECT_EQ(x, b.Next());
+    EXPECT_NE(x, c.Next());
+    EXPECT_NE(x, d.Next());
+  }
+  SequenceRng u(7, 7);
+  double sum = 0;
+  for (int i = 0; i < 100000; ++i) {
+    const double v = u.NextUniform();
+    ASSERT_GE(v, 0.0);
+    ASSERT_LT(v, 1.0);
+    sum += v;
+  }
+  EXPECT_NEAR(sum / 100000, 0.5, 0.005);
+}
+
+TEST(SamplerTest, ValidateNamesTheField) {
+  SamplingParams p;
+  p.temperature = -1;
+  try {
+    p.Validate(10);
+    FAIL();
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("temperature"), std::string::npos);
+  }
+  p = SamplingParams();
+  p.stop_token_ids = {10};
+  EXPECT_THROW(p.Validate(10), std::invalid_argument);
+  p = SamplingParams();
+  p.top_k = -2;
+  EXPECT_THROW(p.Validate(10), std::invalid_argument);
+}
+
+}  // namespace
+}  // namespace vroll::rollout
