@@ -1,0 +1,126 @@
+// vroll-generate: text generation with a Llama policy (llama2.c checkpoint + tokenizer, or the
+// embedded default). Prints only the generated text on stdout; logs go to stderr.
+//
+//   vroll-generate --model stories260K.bin --tokenizer tok512.bin --temperature 0 --max-new-tokens 200
+
+#include <cctype>
+#include <chrono>
+#include <cstdio>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <CLI/CLI.hpp>
+
+#include "policy/blas_setup.h"
+#include "policy/contiguous_kv_cache.h"
+#include "policy/default_model.h"
+#include "policy/llama2c_loader.h"
+#include "policy/llama_model.h"
+#include "policy/logging.h"
+#include "rollout/sampler.h"
+
+namespace {
+
+using vroll::policy::TokenId;
+
+/// Writes a piece as run.c's safe_printf does: a lone non-printable control byte is skipped.
+void PrintPiece(const std::string& piece) {
+  if (piece.empty()) return;
+  if (piece.size() == 1) {
+    const unsigned char c = static_cast<unsigned char>(piece[0]);
+    if (!(std::isprint(c) || std::isspace(c))) return;
+  }
+  std::fwrite(piece.data(), 1, piece.size(), stdout);
+  std::fflush(stdout);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  vroll::EnsureFastBlas(argc, argv);
+  std::string model_path, tokenizer_path, prompt, device_name = "cpu";
+  vroll::rollout::SamplingParams params;
+  params.max_new_tokens = 256;
+  int threads = 0;
+  CLI::App app{"vroll-generate: generate text with a Llama policy.\n"
+               "With no --model it runs the " + vroll::policy::DefaultModelDescription() + "."};
+  app.add_option("--model", model_path, "llama2.c checkpoint (.bin); default: the embedded model")->check(CLI::ExistingFile);
+  app.add_option("--tokenizer", tokenizer_path, "llama2.c tokenizer.bin (required with --model)")->check(CLI::ExistingFile);
+  app.add_option("--prompt", prompt, "text to continue (default: empty, start from BOS)");
+  app.add_option("--max-new-tokens", params.max_new_tokens, "tokens to generate")->capture_default_str()->check(CLI::PositiveNumber);
+  app.add_option("--temperature", params.temperature, "0 = greedy")->capture_default_str()->check(CLI::NonNegativeNumber);
+  app.add_option("--top-p", params.top_p, "nucleus sampling mass in (0, 1]")->capture_default_str();
+  app.add_option("--top-k", params.top_k, "keep the k most likely tokens (0 = off)")->capture_default_str();
+  app.add_option("--seed", params.seed, "random seed")->capture_default_str();
+  app.add_option("--device", device_name, "torch device (cpu, cuda, cuda:1, ...)")->capture_default_str();
+  app.add_option("--threads", threads, "intra-op threads (0 = all cores)")->capture_default_str();
+  CLI11_PARSE(app, argc, argv);
+
+  auto& log = vroll::Logger("examples");
+  try {
+    if (model_path.empty() != tokenizer_path.empty()) {
+      throw std::invalid_argument("--model and --tokenizer go together (neither: the embedded default)");
+    }
+    vroll::ConfigureThreads(threads);
+    vroll::BlasSelfCheck();
+    vroll::policy::Checkpoint ckpt;
+    std::optional<vroll::policy::Tokenizer> tokenizer;
+    if (model_path.empty()) {
+      log.info("no --model: using the {}", vroll::policy::DefaultModelDescription());
+      ckpt = vroll::policy::MakeDefaultCheckpoint();
+      tokenizer = vroll::policy::DefaultTokenizer();
+    } else {
+      ckpt = vroll::policy::LoadLlama2cCheckpoint(model_path);
+      tokenizer = vroll::policy::Tokenizer::LoadLlama2c(tokenizer_path, ckpt.config.vocab_size);
+    }
+    params.stop_token_ids = {vroll::policy::Tokenizer::kBos, vroll::policy::Tokenizer::kEos};
+    params.include_stop_token = false;
+    params.Validate(ckpt.config.vocab_size);
+
+    vroll::policy::LlamaModel model(ckpt, {c10::Device(device_name)});
+    vroll::policy::ContiguousKvCache kv(model.config(), /*num_slots=*/1, model.device());
+    std::vector<TokenId> tokens = tokenizer->Encode(prompt, /*add_bos=*/true, /*add_eos=*/false);
+    const int max_len = model.config().max_seq_len;
+    if (static_cast<int>(tokens.size()) >= max_len) {
+      throw std::invalid_argument(fmt::format("--prompt is {} tokens; the model's context is {}", tokens.size(), max_len));
+    }
+    vroll::rollout::SequenceRng rng(params.seed, 0);
+    std::vector<float> scratch;
+
+    // Prefill the whole prompt in one step, then decode one token per step.
+    vroll::policy::ForwardBatch batch;
+    for (size_t i = 0; i < tokens.size(); ++i) {
+      batch.token_ids.push_back(tokens[i]);
+      batch.positions.push_back(static_cast<int32_t>(i));
+    }
+    const auto t0 = std::chrono::steady_clock::now();
+    int generated = 0;
+    while (generated < params.max_new_tokens) {
+      const int context = static_cast<int>(tokens.size());
+      const int n_new = static_cast<int>(batch.token_ids.size());
+      batch.logits_rows = {n_new - 1};
+      kv.SetStep({0}, {0, n_new}, {context});
+      at::Tensor logits = model.Forward(batch, kv).to(at::kCPU).contiguous();
+      const vroll::rollout::TokenChoice choice =
+          vroll::rollout::SampleToken(logits.data_ptr<float>(), model.config().vocab_size, params, rng, scratch);
+      ++generated;
+      if (choice.token == vroll::policy::Tokenizer::kBos || choice.token == vroll::policy::Tokenizer::kEos) break;
+      PrintPiece(tokenizer->DecodePiece(tokens.back(), choice.token));
+      tokens.push_back(choice.token);
+      if (static_cast<int>(tokens.size()) >= max_len) break;
+      batch.token_ids = {choice.token};
+      batch.positions = {context};
+    }
+    std::printf("\n");
+    std::fflush(stdout);
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    log.info("generated {} tokens in {:.3f} s ({:.1f} tokens/s)", generated, seconds, generated / seconds);
+  } catch (const std::exception& e) {
+    log.error("{}", e.what());
+    return 1;
+  }
+  return 0;
+}

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# vroll-generate end to end: greedy stories260K from BOS for 200 tokens prints the reference C
+# implementation's text byte for byte (stdout only; logs go to stderr), and the embedded default
+# runs without any file. Exit 77 = skipped (no ../shared).
+set -u
+BIN="$1"
+SHARED="$2"
+out=$(mktemp)
+trap 'rm -f "$out"' EXIT
+# The embedded default needs no files and prints something.
+"$BIN" --max-new-tokens 20 --seed 1 >"$out" 2>/dev/null || { echo "default model run failed"; exit 1; }
+[ -s "$out" ] || { echo "default model printed nothing"; exit 1; }
+# Bad input: a named error and a non-zero exit, nothing on stdout.
+if "$BIN" --model "$BIN" --tokenizer "$BIN" >"$out" 2>/tmp/vroll_cli_err.$$; then echo "corrupt model accepted"; exit 1; fi
+grep -q "$BIN" /tmp/vroll_cli_err.$$ || { echo "error does not name the file:"; cat /tmp/vroll_cli_err.$$; exit 1; }
+rm -f /tmp/vroll_cli_err.$$
+if [ ! -f "$SHARED/models/stories260K.bin" ]; then echo "skipped: no $SHARED/models"; exit 77; fi
+"$BIN" --model "$SHARED/models/stories260K.bin" --tokenizer "$SHARED/models/tok512.bin" \
+  --temperature 0 --max-new-tokens 200 >"$out" 2>/dev/null || { echo "generation failed"; exit 1; }
+if ! cmp "$out" "$SHARED/reference/stories260K_greedy_n200.txt"; then
+  echo "output differs from the reference:"; diff "$out" "$SHARED/reference/stories260K_greedy_n200.txt"; exit 1
+fi
+echo "vroll-generate matches the reference byte for byte"
