@@ -13,7 +13,7 @@ PACKAGES=(
   libxxhash-dev
   nlohmann-json3-dev
   libcli11-dev
-  python3-torch python3-zmq python3-msgpack python3-numpy python3-matplotlib
+  python3-torch python3-zmq python3-msgpack python3-numpy python3-matplotlib python3-xxhash
 )
 
 missing=()
