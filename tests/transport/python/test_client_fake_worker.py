@@ -1,0 +1,265 @@
+"""The client's logic (spreading, ordering, retries, errors, the two-phase update, ensure_weights,
+the CLI) against FakeWorker: scripted in-process workers, no model, runs in about a second."""
+import contextlib
+import io
+import json
+import unittest
+
+import numpy as np
+import torch
+import zmq
+
+from fake_worker import FakeWorker, expected_tokens, reference_weights_checksum
+from vroll_client import (SamplingParams, VrollClient, VrollTimeoutError, WeightUpdateError,
+                          WorkerError, curve_keypair, weights_checksum)
+from vroll_client.__main__ import main as cli_main
+
+PARAMS = {"model.embed_tokens.weight": [16, 8], "model.layers.0.mlp.up_proj.weight": [12, 8],
+          "model.norm.weight": [8]}
+VOCAB = 16
+
+
+def make_weights(seed, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    return {name: torch.randn(shape, generator=g).to(dtype) for name, shape in PARAMS.items()}
+
+
+class FakeWorkerTestCase(unittest.TestCase):
+    num_workers = 2
+
+    def setUp(self):
+        self.workers = [FakeWorker(PARAMS, VOCAB) for _ in range(self.num_workers)]
+        self.client = VrollClient([w.endpoint for w in self.workers], timeout_s=5)
+
+    def tearDown(self):
+        self.client.close(linger_ms=0)
+        for w in self.workers:
+            w.stop()
+
+
+class GenerateTest(FakeWorkerTestCase):
+    def test_results_follow_prompt_order_and_sample_index(self):
+        for w in self.workers:
+            w.reverse = True  # samples come back newest first
+        prompts = [[1, p % VOCAB] for p in range(10)]
+        outs = self.client.generate(prompts, SamplingParams(max_tokens=5), n=3)
+        self.assertEqual([o.prompt_token_ids for o in outs], prompts)
+        for prompt, out in zip(prompts, outs):
+            self.assertEqual([c.index for c in out.outputs], [0, 1, 2])
+            for c in out.outputs:
+                self.assertEqual(c.token_ids, expected_tokens(prompt, c.index, 5, VOCAB))
+                self.assertEqual(c.logprobs, [-0.5] * 5)
+                self.assertEqual(c.version_spans, [(0, 5, 0)])
+        self.assertEqual(len({o.request_id for o in outs}), 10)
+        per_worker = [w.types().count("generate") for w in self.workers]
+        self.assertEqual(per_worker, [5, 5])  # least loaded, ties round-robin
+
+    def test_max_in_flight_bounds_each_worker(self):
+        client = VrollClient([w.endpoint for w in self.workers], timeout_s=5, max_in_flight=2)
+        try:
+            outs = client.generate([[3]] * 5, SamplingParams(max_tokens=1), n=4)  # n > window
+        finally:
+            client.close(linger_ms=0)
+        self.assertEqual([len(o.outputs) for o in outs], [4] * 5)
+
+    def test_per_prompt_sampling_params(self):
+        outs = self.client.generate([[1], [2]], [SamplingParams(max_tokens=2),
+                                                 SamplingParams(max_tokens=4)])
+        self.assertEqual([len(o.outputs[0].token_ids) for o in outs], [2, 4])
+        with self.assertRaises(ValueError):
+            self.client.generate([[1]], [SamplingParams()] * 2)
+
+    def test_error_reply_raises_with_code_field_and_worker_then_client_still_works(self):
+        with self.assertRaises(WorkerError) as cm:
+            self.client.generate([[1, 2], [1, 99, 3]], n=2)
+        err = cm.exception
+        self.assertEqual((err.code, err.field), ("bad_field", "prompt[1]"))
+        self.assertIn("99 outside the vocabulary", err.message)
+        self.assertIn(err.worker, [w.endpoint for w in self.workers])
+        self.assertIn("generate", str(err))
+        outs = self.client.generate([[4]], SamplingParams(max_tokens=3))
+        self.assertEqual(outs[0].outputs[0].token_ids, expected_tokens([4], 0, 3, VOCAB))
+
+    def test_overloaded_requests_are_resent(self):
+        self.workers[0].num_overloaded = 3
+        self.workers[1].num_overloaded = 2
+        outs = self.client.generate([[i] for i in range(6)], SamplingParams(max_tokens=2))
+        self.assertEqual([o.outputs[0].token_ids for o in outs],
+                         [expected_tokens([i], 0, 2, VOCAB) for i in range(6)])
+
+    def test_silent_worker_times_out_naming_it(self):
+        self.workers[1].silent = True
+        client = VrollClient([w.endpoint for w in self.workers], timeout_s=0.3)
+        try:
+            with self.assertRaises(VrollTimeoutError) as cm:
+                client.generate([[1], [2]])
+            self.assertEqual(cm.exception.worker, self.workers[1].endpoint)
+            self.assertIsInstance(cm.exception, TimeoutError)
+        finally:
+            client.close(linger_ms=0)
+
+    def test_bad_arguments_send_nothing(self):
+        with self.assertRaises(TypeError):
+            self.client.generate([[1], [1.5]])
+        with self.assertRaises(ValueError):
+            self.client.generate([[1]], n=0)
+        self.assertEqual(self.client.generate([]), [])
+        for w in self.workers:
+            self.assertEqual(w.types(), [])
+
+
+class PushWeightsTest(FakeWorkerTestCase):
+    def test_two_phase_push_with_mixed_dtypes_and_odd_chunks(self):
+        weights = make_weights(1)
+        weights["model.embed_tokens.weight"] = weights["model.embed_tokens.weight"].bfloat16()
+        weights["model.norm.weight"] = weights["model.norm.weight"].half().numpy()
+        acks = self.client.push_weights(weights, version=3, chunk_bytes=37)
+        expected = weights_checksum(weights)
+        self.assertEqual([a.worker for a in acks], [w.endpoint for w in self.workers])
+        for ack, worker in zip(acks, self.workers):
+            self.assertEqual((ack.stage, ack.version, ack.weights_checksum),
+                             ("applied", 3, expected))
+            self.assertEqual(worker.version, 3)
+            self.assertEqual(reference_weights_checksum(worker.weights), expected)
+            types = worker.types()
+            self.assertEqual(types[0], "update_begin")
+            self.assertEqual(types[-2:], ["update_commit", "update_apply"])
+            self.assertEqual(set(types[1:-2]), {"update_chunk"})
+            commit = worker.received[-2][1]
+            self.assertIs(commit["apply"], False)
+        emb = self.workers[0].weights["model.embed_tokens.weight"]
+        np.testing.assert_array_equal(emb, weights["model.embed_tokens.weight"].float().numpy())
+
+    def test_verify_failure_on_one_worker_aborts_both(self):
+        self.workers[1].fail_verify = True
+        with self.assertRaises(WeightUpdateError) as cm:
+            self.client.push_weights(make_weights(2), version=1)
+        err = cm.exception
+        self.assertEqual(err.phase, "verify")
+        self.assertEqual(list(err.failures), [self.workers[1].endpoint])
+        self.assertEqual(err.failures[self.workers[1].endpoint].code, "update_failed")
+        self.assertEqual(err.applied, [])
+        self.assertIn(self.workers[1].endpoint, str(err))
+        for w in self.workers:
+            self.assertEqual(w.version, 0)
+            self.assertIn("update_abort", w.types())
+            self.assertNotIn("update_apply", w.types())
+
+    def test_wrong_shape_fails_at_begin_before_any_chunk(self):
+        weights = make_weights(3)
+        weights["model.norm.weight"] = torch.ones(9)
+        with self.assertRaises(WeightUpdateError) as cm:
+            self.client.push_weights(weights, version=1)
+        self.assertEqual(cm.exception.phase, "begin")
+        self.assertEqual(set(cm.exception.failures), {w.endpoint for w in self.workers})
+        self.assertEqual(cm.exception.failures[self.workers[0].endpoint].field,
+                         "tensors[2].shape")
+        for w in self.workers:
+            self.assertEqual(w.types(), ["update_begin", "update_abort"])
+            self.assertEqual(w.version, 0)
+        self.assertEqual(len(self.client.push_weights(make_weights(3), version=1)), 2)
+
+    def test_checksum_mismatch_is_reported_after_apply(self):
+        self.workers[0].bad_checksum = True
+        with self.assertRaises(WeightUpdateError) as cm:
+            self.client.push_weights(make_weights(4), version=2)
+        self.assertEqual(cm.exception.phase, "checksum")
+        self.assertEqual(list(cm.exception.failures), [self.workers[0].endpoint])
+        self.assertEqual(len(cm.exception.applied), 2)
+
+    def test_partial_push_skips_the_checksum_check(self):
+        weights = {"model.norm.weight": torch.full((8,), 2.0)}
+        acks = self.client.push_weights(weights, version=1, partial=True)
+        self.assertEqual([a.version for a in acks], [1, 1])
+        self.assertEqual(self.workers[0].received[0][1]["partial"], True)
+
+    def test_argument_errors(self):
+        with self.assertRaises(ValueError):
+            self.client.push_weights(make_weights(1), version=0)
+        with self.assertRaises(ValueError):
+            self.client.push_weights(make_weights(1), version=1, mode="later")
+        with self.assertRaises(TypeError):
+            self.client.push_weights({"model.norm.weight": torch.zeros(8, dtype=torch.float64)}, 1)
+        with self.assertRaises(ValueError):
+            self.client.push_weights(make_weights(1), version=1, endpoints=["tcp://nowhere:1"])
+
+    def test_ensure_weights_pushes_only_to_stale_workers(self):
+        weights = make_weights(5)
+        self.client.push_weights(weights, version=4)
+        self.workers[1].version = 0  # as if it had restarted
+        self.workers[1].received.clear()
+        self.workers[0].received.clear()
+        acks = self.client.ensure_weights(weights, version=4)
+        self.assertEqual([a.worker for a in acks], [self.workers[1].endpoint])
+        self.assertEqual(acks[0].weights_checksum, weights_checksum(weights))
+        self.assertEqual(self.workers[0].types(), ["health"])
+        self.assertEqual(self.client.ensure_weights(weights, version=4), [])
+        with self.assertRaises(WeightUpdateError) as cm:
+            self.client.ensure_weights(weights, version=3)
+        self.assertEqual(cm.exception.phase, "version")
+
+
+class ControlTest(FakeWorkerTestCase):
+    def test_control_replies_per_endpoint(self):
+        health = self.client.health()
+        self.assertEqual(list(health), [w.endpoint for w in self.workers])
+        self.assertEqual(health[self.workers[0].endpoint]["policy_version"], 0)
+        self.assertNotIn("type", health[self.workers[0].endpoint])
+        self.assertIn("num_running", self.client.stats([self.workers[1].endpoint])[
+            self.workers[1].endpoint])
+        for method in ("pause", "resume", "flush_cache", "shutdown"):
+            self.assertEqual(set(getattr(self.client, method)()),
+                             {w.endpoint for w in self.workers})
+
+    def test_dead_endpoint_times_out(self):
+        client = VrollClient("ipc:///tmp/vroll-no-such-worker-socket", timeout_s=0.2)
+        try:
+            with self.assertRaises(VrollTimeoutError):
+                client.health()
+        finally:
+            client.close(linger_ms=0)
+
+    def test_cli_health_and_generate(self):
+        stdout = io.StringIO()
+        with contextlib.redirect_stdout(stdout):
+            rc = cli_main(["--endpoint", self.workers[0].endpoint, "health"])
+        self.assertEqual(rc, 0)
+        self.assertEqual(json.loads(stdout.getvalue())[self.workers[0].endpoint]["ok"], True)
+        stdout = io.StringIO()
+        with contextlib.redirect_stdout(stdout):
+            rc = cli_main(["--endpoint", self.workers[0].endpoint, "generate", "--prompt", "1,2",
+                           "--prompt", "3", "--n", "2", "--max-tokens", "3"])
+        self.assertEqual(rc, 0)
+        lines = [json.loads(line) for line in stdout.getvalue().splitlines()]
+        self.assertEqual([l["prompt_token_ids"] for l in lines], [[1, 2], [3]])
+        self.assertEqual(lines[1]["outputs"][1]["token_ids"], expected_tokens([3], 1, 3, VOCAB))
+
+    def test_curve_with_the_right_server_key_connects_and_a_wrong_one_does_not(self):
+        server_public, server_secret = zmq.curve_keypair()
+        worker = FakeWorker(PARAMS, VOCAB, curve_secret_key=server_secret)
+        try:
+            keys = curve_keypair()
+            with VrollClient(worker.endpoint, curve_server_key=server_public.decode(),
+                             curve_client_keys=keys, timeout_s=5) as client:
+                self.assertTrue(client.health()[worker.endpoint]["ok"])
+            wrong_public, _ = zmq.curve_keypair()
+            with VrollClient(worker.endpoint, curve_server_key=wrong_public,
+                             curve_client_keys=keys, timeout_s=0.3, linger_ms=0) as client:
+                with self.assertRaises(VrollTimeoutError):
+                    client.health()
+            with VrollClient(worker.endpoint, timeout_s=0.3, linger_ms=0) as client:
+                with self.assertRaises(VrollTimeoutError):  # plain text is refused
+                    client.health()
+        finally:
+            worker.stop()
+
+    def test_curve_arguments_are_checked(self):
+        with self.assertRaisesRegex(ValueError, "curve_client_keys"):
+            VrollClient("tcp://127.0.0.1:1", curve_server_key="x" * 40)
+        with self.assertRaisesRegex(ValueError, "40 Z85"):
+            VrollClient("tcp://127.0.0.1:1", curve_server_key="short",
+                        curve_client_keys=("y" * 40, "z" * 40))
+
+
+if __name__ == "__main__":
+    unittest.main()

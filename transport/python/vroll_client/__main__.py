@@ -1,0 +1,93 @@
+"""Quick checks of running workers from a shell; prints JSON.
+
+    /usr/bin/python3 -m vroll_client --endpoint tcp://127.0.0.1:5555 health
+    /usr/bin/python3 -m vroll_client --endpoint tcp://127.0.0.1:5555 stats
+    /usr/bin/python3 -m vroll_client --endpoint tcp://127.0.0.1:5555 generate --prompt 1,72,101 \
+        --n 4 --max-tokens 8 --temperature 0.8 --seed 7
+    /usr/bin/python3 -m vroll_client keygen        # a CURVE key pair for --curve-* options
+
+--endpoint repeats for several workers. Exit status: 0 ok, 1 a worker error or timeout, 2 usage.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from typing import List, Optional
+
+from . import SamplingParams, VrollClient, VrollError, curve_keypair
+
+
+def _token_list(text: str) -> List[int]:
+    try:
+        return [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of token ids")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python3 -m vroll_client", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--endpoint", action="append", default=[],
+                   help="worker endpoint (repeat for several); default tcp://127.0.0.1:5555")
+    p.add_argument("--timeout-s", type=float, default=30.0,
+                   help="seconds a worker may stay silent while it owes a reply (default 30)")
+    p.add_argument("--curve-server-key", help="the worker's CURVE public key (Z85)")
+    p.add_argument("--curve-public-key", help="this client's CURVE public key (Z85)")
+    p.add_argument("--curve-secret-key", help="this client's CURVE secret key (Z85)")
+    sub = p.add_subparsers(dest="command", required=True)
+    for name in ("health", "stats", "flush-cache", "pause", "resume", "shutdown"):
+        sub.add_parser(name, help=f"send {name.replace('-', '_')} to every worker")
+    sub.add_parser("keygen", help="print a new CURVE key pair (no worker contacted)")
+    g = sub.add_parser("generate", help="generate samples and print one JSON line per prompt")
+    g.add_argument("--prompt", type=_token_list, action="append", required=True,
+                   help="comma-separated token ids (repeat for several prompts)")
+    g.add_argument("--n", type=int, default=1, help="samples per prompt")
+    g.add_argument("--max-tokens", type=int, default=16)
+    g.add_argument("--temperature", type=float, default=1.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int)
+    g.add_argument("--stop-token-ids", type=_token_list, default=[])
+    g.add_argument("--min-policy-version", type=int, default=0)
+    return p
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.command == "keygen":
+        public, secret = curve_keypair()
+        print(json.dumps({"public": public, "secret": secret}))
+        return 0
+    client_keys = None
+    if args.curve_public_key or args.curve_secret_key:
+        client_keys = (args.curve_public_key, args.curve_secret_key)
+    try:
+        client = VrollClient(args.endpoint or ["tcp://127.0.0.1:5555"],
+                             curve_server_key=args.curve_server_key,
+                             curve_client_keys=client_keys, timeout_s=args.timeout_s)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        if args.command == "generate":
+            params = SamplingParams(temperature=args.temperature, top_p=args.top_p,
+                                    top_k=args.top_k, max_tokens=args.max_tokens,
+                                    stop_token_ids=args.stop_token_ids, seed=args.seed)
+            for out in client.generate(args.prompt, params, n=args.n,
+                                       min_policy_version=args.min_policy_version):
+                print(json.dumps(dataclasses.asdict(out)))
+        else:
+            method = getattr(client, args.command.replace("-", "_"))
+            print(json.dumps(method(), indent=2, default=str))
+        return 0
+    except VrollError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        client.close(linger_ms=100)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

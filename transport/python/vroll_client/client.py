@@ -1,0 +1,777 @@
+"""VrollClient: generation, weight updates and control for one or more vroll-worker processes.
+
+One DEALER socket per worker endpoint; every request carries a correlation ``id`` unique within
+the client and every reply is matched by it, so replies to requests the client has given up on
+(after an error or a timeout) are recognised and dropped.
+
+Weight update with several workers (two-phase):
+
+    trainer                    worker A                     worker B
+    update_begin ------------> begun                        begun
+    update_chunk x k --------> staged (no reply)            staged
+    update_commit apply=false> verified                     verified      <- phase one
+    update_apply ------------> applied(version, checksum)   applied       <- only if all verified
+    (any begin/chunk/verify failure: update_abort to every worker, nothing applied)
+"""
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+
+import zmq
+
+from . import protocol
+from .types import (CompletionOutput, RequestOutput, SamplingParams, UpdateAck, VrollError,
+                    VrollTimeoutError, WeightUpdateError, WorkerError)
+from .weights import DEFAULT_CHUNK_BYTES, WireTensor, chunk_ranges, to_wire, weights_checksum
+
+logger = logging.getLogger("vroll_client")
+
+KeyLike = Union[str, bytes]
+
+#: Longest back-off before re-sending a request a worker refused as ``overloaded``.
+_MAX_OVERLOAD_BACKOFF_S = 1.0
+#: How long update_abort may take when cleaning up after a failed push.
+_ABORT_TIMEOUT_S = 10.0
+#: Chunks sent between two non-blocking checks for early chunk errors.
+_CHUNKS_PER_ERROR_CHECK = 64
+
+
+def _key_bytes(key: KeyLike, what: str) -> bytes:
+    """A CURVE key as ZeroMQ takes it: 32 raw bytes or 40 Z85 characters."""
+    raw = key.encode("ascii") if isinstance(key, str) else bytes(key)
+    if len(raw) not in (32, 40):
+        raise ValueError(f"{what} must be 32 raw bytes or 40 Z85 characters, got {len(raw)}")
+    return raw
+
+
+class _Worker:
+    """One endpoint: its DEALER socket and the client's bookkeeping for it. Owned by one client."""
+
+    def __init__(self, context: zmq.Context, index: int, endpoint: str,
+                 server_key: Optional[bytes], client_keys: Optional[Tuple[bytes, bytes]],
+                 timeout_s: float, linger_ms: int):
+        # Immutable after construction.
+        self.index = index
+        self.endpoint = endpoint
+        self._context = context
+        self._server_key = server_key
+        self._client_keys = client_keys
+        self._timeout_s = timeout_s
+        self._linger_ms = linger_ms
+        # Replaced by reset().
+        self.socket: zmq.Socket = self._connect()
+        # generate() bookkeeping, reset at the start of every call.
+        self.num_inflight_samples = 0
+        self.num_inflight_requests = 0
+        self.last_heard = 0.0
+        self.backoff_until = 0.0
+        self.num_overloaded = 0
+
+    def _connect(self) -> zmq.Socket:
+        sock = self._context.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, self._linger_ms)
+        # Unbounded receive queue: a ROUTER drops replies to a peer whose queue is full, and a
+        # lost sample would only surface as a timeout.
+        sock.setsockopt(zmq.RCVHWM, 0)
+        # A send that cannot be queued for timeout_s (worker gone, queue full) raises zmq.Again.
+        sock.setsockopt(zmq.SNDTIMEO, max(1, int(self._timeout_s * 1000)))
+        # ZMTP heartbeats notice a vanished machine (no TCP reset) and reconnect.
+        sock.setsockopt(zmq.HEARTBEAT_IVL, 2000)
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 10000)
+        if self._server_key is not None:
+            public, secret = self._client_keys
+            sock.setsockopt(zmq.CURVE_SERVERKEY, self._server_key)
+            sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
+            sock.setsockopt(zmq.CURVE_SECRETKEY, secret)
+        sock.connect(self.endpoint)
+        return sock
+
+    def reset(self) -> None:
+        """Drops every queued outgoing message and reconnects (after a timeout: a restarted
+        worker must not receive the dead one's backlog)."""
+        self.socket.close(linger=0)
+        self.socket = self._connect()
+
+    def close(self, linger_ms: Optional[int] = None) -> None:
+        self.socket.close(linger=self._linger_ms if linger_ms is None else linger_ms)
+
+
+@dataclass
+class _PendingRequest:
+    """generate() state of one prompt."""
+
+    index: int
+    request_id: str
+    header: Dict[str, Any]
+    n: int
+    samples: List[Optional[CompletionOutput]]
+    worker: Optional[_Worker] = None
+    accepted: bool = False
+    num_received: int = 0
+    first_overloaded_at: Optional[float] = None
+
+
+class VrollClient:
+    """A client of one or more vroll workers (docs/PROTOCOL.md, docs/SCALE_OUT.md).
+
+    Thread safety: none. A client and its sockets belong to the thread that uses it; use one
+    client per thread (several clients may talk to the same workers at once, e.g. one
+    generating while another pushes weights).
+
+    Errors: a caller's bad argument raises TypeError/ValueError before anything is sent; a
+    worker's ``error`` reply raises WorkerError (code, field, message, worker); a worker that
+    owes a reply and stays silent for ``timeout_s`` raises VrollTimeoutError; weight updates
+    raise WeightUpdateError. All of these derive from VrollError (VrollTimeoutError also from
+    TimeoutError). After any of them the client stays usable.
+    """
+
+    def __init__(self, endpoints: Union[str, Sequence[str]],
+                 curve_server_key: Union[None, KeyLike, Sequence[KeyLike],
+                                         Mapping[str, KeyLike]] = None,
+                 curve_client_keys: Optional[Tuple[KeyLike, KeyLike]] = None,
+                 timeout_s: float = 120.0, max_in_flight: int = 256,
+                 context: Optional[zmq.Context] = None, linger_ms: int = 1000):
+        """Connects to the workers (ZeroMQ connects lazily: an absent worker is not an error
+        until a request to it times out).
+
+        Args:
+          endpoints: one ZeroMQ endpoint (``tcp://host:port``, ``ipc:///path``) or a list.
+          curve_server_key: the worker's CURVE public key (40-char Z85 str or 32 bytes) when the
+            workers run with CURVE: one key for all, a list parallel to ``endpoints``, or a
+            {endpoint: key} map. Requires ``curve_client_keys``.
+          curve_client_keys: (public, secret) CURVE key pair of this client; the public key must
+            be on the worker's allow-list (its trainer list for updates and control).
+          timeout_s: seconds a worker may stay silent while it owes a reply (also the longest a
+            send may block). Bounds silence, not a whole call: a long generate is fine as long as
+            samples keep arriving; size it above the slowest single sample.
+          max_in_flight: unfinished samples (n per request) the client keeps at each worker; a
+            request with n above it is still sent, alone.
+          context: a zmq.Context to use (default: the process-wide instance).
+          linger_ms: how long close() waits to flush queued messages.
+        Raises:
+          ValueError: no endpoint, a duplicate endpoint, a malformed key, a key without the other.
+        """
+        if isinstance(endpoints, str):
+            endpoints = [endpoints]
+        endpoints = list(endpoints)
+        if not endpoints:
+            raise ValueError("endpoints is empty")
+        if len(set(endpoints)) != len(endpoints):
+            raise ValueError(f"duplicate endpoint in {endpoints}")
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s = {timeout_s} must be > 0")
+        if max_in_flight < 1:
+            raise ValueError(f"max_in_flight = {max_in_flight} must be >= 1")
+        server_keys = self._server_keys(endpoints, curve_server_key)
+        client_keys = None
+        if curve_client_keys is not None:
+            if curve_server_key is None:
+                raise ValueError("curve_client_keys given without curve_server_key")
+            public, secret = curve_client_keys
+            client_keys = (_key_bytes(public, "curve_client_keys[0] (public)"),
+                           _key_bytes(secret, "curve_client_keys[1] (secret)"))
+        elif curve_server_key is not None:
+            raise ValueError("curve_server_key needs curve_client_keys=(public, secret): the "
+                             "worker admits only public keys on its allow-list")
+
+        self.timeout_s = float(timeout_s)
+        self.max_in_flight = int(max_in_flight)
+        self._context = context or zmq.Context.instance()
+        self._workers = [
+            _Worker(self._context, i, ep, server_keys[i], client_keys, self.timeout_s, linger_ms)
+            for i, ep in enumerate(endpoints)]
+        self._by_endpoint = {w.endpoint: w for w in self._workers}
+        self._poller = zmq.Poller()
+        for w in self._workers:
+            self._poller.register(w.socket, zmq.POLLIN)
+        self._id_prefix = uuid.uuid4().hex[:12]
+        self._ids = itertools.count()
+        self._round_robin = 0
+        self._closed = False
+
+    @staticmethod
+    def _server_keys(endpoints: List[str], key: Any) -> List[Optional[bytes]]:
+        if key is None:
+            return [None] * len(endpoints)
+        if isinstance(key, (str, bytes)):
+            return [_key_bytes(key, "curve_server_key")] * len(endpoints)
+        if isinstance(key, Mapping):
+            missing = [ep for ep in endpoints if ep not in key]
+            if missing:
+                raise ValueError(f"curve_server_key has no key for {missing}")
+            return [_key_bytes(key[ep], f"curve_server_key[{ep!r}]") for ep in endpoints]
+        keys = list(key)
+        if len(keys) != len(endpoints):
+            raise ValueError(f"curve_server_key lists {len(keys)} keys for {len(endpoints)} "
+                             "endpoints")
+        return [_key_bytes(k, f"curve_server_key[{i}]") for i, k in enumerate(keys)]
+
+    # -----------------------------------------------------------------------------------------
+    # Life cycle.
+
+    @property
+    def endpoints(self) -> List[str]:
+        """The workers' endpoints, in the order given."""
+        return [w.endpoint for w in self._workers]
+
+    def close(self, linger_ms: Optional[int] = None) -> None:
+        """Closes every socket (waiting up to linger_ms to flush). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for w in self._workers:
+            w.close(linger_ms)
+
+    def __enter__(self) -> "VrollClient":
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
+
+    # -----------------------------------------------------------------------------------------
+    # Plumbing: ids, send, receive, one request per worker.
+
+    def _next_id(self, kind: str) -> str:
+        return f"{self._id_prefix}-{kind}{next(self._ids)}"
+
+    def _select(self, endpoints: Optional[Sequence[str]]) -> List[_Worker]:
+        if endpoints is None:
+            return list(self._workers)
+        if isinstance(endpoints, str):
+            endpoints = [endpoints]
+        unknown = [ep for ep in endpoints if ep not in self._by_endpoint]
+        if unknown:
+            raise ValueError(f"unknown endpoint(s) {unknown}; this client has {self.endpoints}")
+        return [self._by_endpoint[ep] for ep in endpoints]
+
+    def _send(self, worker: _Worker, header: Mapping[str, Any], frames: Sequence[Any] = (),
+              request: str = "") -> None:
+        if self._closed:
+            raise VrollError("the client is closed")
+        try:
+            worker.socket.send_multipart([protocol.encode(header), *frames], copy=False)
+        except zmq.Again:
+            raise VrollTimeoutError(worker.endpoint, f"sending {request or header['type']}",
+                                    self.timeout_s) from None
+
+    def _reset(self, worker: _Worker) -> None:
+        self._poller.unregister(worker.socket)
+        worker.reset()
+        self._poller.register(worker.socket, zmq.POLLIN)
+
+    def _poll(self, timeout_s: float) -> List[Tuple[_Worker, Dict[str, Any], List[bytes]]]:
+        """Every message that arrives within timeout_s (returns at the first batch)."""
+        events = dict(self._poller.poll(max(0, int(timeout_s * 1000))))
+        received = []
+        for w in self._workers:
+            if w.socket not in events:
+                continue
+            while True:
+                try:
+                    frames = w.socket.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                try:
+                    header = protocol.decode(frames[0])
+                except ValueError as exc:
+                    raise VrollError(f"{w.endpoint}: malformed reply: {exc}") from None
+                received.append((w, header, frames[1:]))
+        return received
+
+    @staticmethod
+    def _drop(worker: _Worker, header: Mapping[str, Any]) -> None:
+        logger.debug("%s: dropping reply %s id=%r (no request waits for it)", worker.endpoint,
+                     header.get("type"), header.get("id"))
+
+    def _call(self, workers: Sequence[_Worker], make: Callable[[str], Dict[str, Any]],
+              reply_type: str, request: str, timeout_s: Optional[float] = None,
+              on_other: Optional[Callable[[_Worker, Dict[str, Any]], bool]] = None,
+              ) -> Dict[str, Union[Dict[str, Any], Exception]]:
+        """Sends make(id) to each worker and waits for each one's reply.
+
+        Returns {endpoint: reply header | WorkerError | VrollTimeoutError | VrollError} in worker
+        order; raises nothing itself. A worker that times out is reset. ``on_other`` sees every
+        other message first and returns True when it consumed it.
+        """
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        results: Dict[str, Union[Dict[str, Any], Exception]] = {}
+        pending: Dict[str, _Worker] = {}
+        for w in workers:
+            id_ = self._next_id("c")
+            try:
+                self._send(w, make(id_), request=request)
+                pending[id_] = w
+            except VrollTimeoutError as exc:
+                results[w.endpoint] = exc
+                self._reset(w)
+        deadline = time.monotonic() + timeout_s
+        while pending:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                for w in pending.values():
+                    results[w.endpoint] = VrollTimeoutError(w.endpoint, request, timeout_s)
+                    self._reset(w)
+                break
+            for w, header, _ in self._poll(remaining):
+                id_ = header.get("id")
+                if pending.get(id_) is not w:
+                    if on_other is None or not on_other(w, header):
+                        self._drop(w, header)
+                    continue
+                del pending[id_]
+                type_ = header.get("type")
+                if type_ == "error":
+                    results[w.endpoint] = WorkerError.from_reply(w.endpoint, header, request)
+                elif type_ == reply_type:
+                    results[w.endpoint] = header
+                else:
+                    results[w.endpoint] = VrollError(
+                        f"{w.endpoint}: expected {reply_type!r} in reply to {request}, got "
+                        f"{type_!r}")
+        return {w.endpoint: results[w.endpoint] for w in workers}
+
+    def _control(self, type_: str, endpoints: Optional[Sequence[str]],
+                 timeout_s: Optional[float]) -> Dict[str, Dict[str, Any]]:
+        workers = self._select(endpoints)
+        results = self._call(workers, lambda id_: protocol.make_control(type_, id_),
+                             protocol.CONTROL_REPLIES[type_], type_, timeout_s)
+        out = {}
+        for endpoint, result in results.items():
+            if isinstance(result, Exception):
+                raise result
+            out[endpoint] = {k: v for k, v in result.items() if k not in ("v", "type", "id")}
+        return out
+
+    # -----------------------------------------------------------------------------------------
+    # Control.
+
+    def health(self, endpoints: Optional[Sequence[str]] = None,
+               timeout_s: Optional[float] = None) -> Dict[str, Dict[str, Any]]:
+        """{endpoint: health reply}: ``ok`` (bool), ``policy_version`` (int), ``model`` (map:
+        vocab_size, max_seq_len, dim, n_layers), ``protocol_version``.
+
+        Args: endpoints: a subset of this client's (default all); timeout_s: overrides the
+        client's for this call (a short one makes a liveness probe).
+        Raises: WorkerError or VrollTimeoutError for the first worker (in endpoint order) that
+        failed; the others' replies are lost then: probe one endpoint at a time to see them all.
+        """
+        return self._control("health", endpoints, timeout_s)
+
+    def stats(self, endpoints: Optional[Sequence[str]] = None,
+              timeout_s: Optional[float] = None) -> Dict[str, Dict[str, Any]]:
+        """{endpoint: engine stats} (num_running, num_waiting, blocks, prefix_hit_rate,
+        tokens_per_second, policy_version, ...: docs/PROTOCOL.md). Errors as health()."""
+        return self._control("stats", endpoints, timeout_s)
+
+    def flush_cache(self, endpoints: Optional[Sequence[str]] = None,
+                    timeout_s: Optional[float] = None) -> Dict[str, Dict[str, Any]]:
+        """Drops every unreferenced prefix-cache block on each worker. Errors as health()."""
+        return self._control("flush_cache", endpoints, timeout_s)
+
+    def pause(self, endpoints: Optional[Sequence[str]] = None,
+              timeout_s: Optional[float] = None) -> Dict[str, Dict[str, Any]]:
+        """Stops the workers' engine steps (weight updates still apply). Errors as health()."""
+        return self._control("pause", endpoints, timeout_s)
+
+    def resume(self, endpoints: Optional[Sequence[str]] = None,
+               timeout_s: Optional[float] = None) -> Dict[str, Dict[str, Any]]:
+        """Resumes paused workers. Errors as health()."""
+        return self._control("resume", endpoints, timeout_s)
+
+    def shutdown(self, endpoints: Optional[Sequence[str]] = None,
+                 timeout_s: Optional[float] = None) -> Dict[str, Dict[str, Any]]:
+        """Asks the workers to exit after replying (unfinished samples end ``aborted``).
+        Errors as health()."""
+        return self._control("shutdown", endpoints, timeout_s)
+
+    # -----------------------------------------------------------------------------------------
+    # Generation.
+
+    def generate(self, prompts: Sequence[Sequence[int]],
+                 sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
+                 n: int = 1, min_policy_version: int = 0) -> List[RequestOutput]:
+        """Generates n samples for each prompt on the workers; returns one RequestOutput per
+        prompt, in the order of ``prompts``, each with its n samples in index order.
+
+        Requests are spread over the workers, least loaded first (unfinished samples; ties in
+        round-robin order), keeping up to ``max_in_flight`` samples at each; samples are
+        collected as they stream back. A request a worker refuses as ``overloaded`` is re-sent
+        (to any worker) after a back-off, for up to ``timeout_s``.
+
+        Args:
+          prompts: token-id lists (ints, numpy ints fine), each non-empty and shorter than the
+            model's max_seq_len.
+          sampling_params: one SamplingParams for all prompts, or one per prompt (default
+            SamplingParams()).
+          n: samples per prompt (a GRPO group), 1 <= n <= the worker's max_num_seqs.
+          min_policy_version: the workers start a request only once they run this version.
+        Returns:
+          list[RequestOutput]; a sample that failed inside the engine is returned with
+          finish_reason ``error`` and its message in ``error``, not raised.
+        Raises:
+          TypeError / ValueError: a malformed prompt or argument (nothing sent).
+          WorkerError: a worker refused a request (e.g. ``bad_field`` with field ``prompt[3]``);
+            the call's other unfinished requests are aborted on their workers.
+          VrollTimeoutError: a worker with requests in flight stayed silent for timeout_s (the
+            other requests are aborted; the silent worker's socket is reset).
+        """
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"n = {n!r} must be an int >= 1")
+        if min_policy_version < 0:
+            raise ValueError(f"min_policy_version = {min_policy_version} must be >= 0")
+
+        requests: List[_PendingRequest] = []
+        wire_cache: Dict[int, Dict[str, Any]] = {}
+        for i, (prompt, sp) in enumerate(zip(prompts, params)):
+            wire = wire_cache.get(id(sp))
+            if wire is None:
+                wire = wire_cache[id(sp)] = sp.to_wire()
+            rid = self._next_id("r")
+            try:
+                header = protocol.make_generate(rid, prompt, n, wire, min_policy_version)
+            except TypeError as exc:
+                raise TypeError(f"prompts[{i}]: {exc}") from None
+            requests.append(_PendingRequest(i, rid, header, n, [None] * n))
+        if not requests:
+            return []
+
+        for w in self._workers:
+            w.num_inflight_samples = w.num_inflight_requests = w.num_overloaded = 0
+            w.backoff_until = 0.0
+        queue = collections.deque(requests)
+        in_flight: Dict[str, _PendingRequest] = {}
+        num_done = 0
+        try:
+            while num_done < len(requests):
+                self._dispatch(queue, in_flight)
+                for w, header, _ in self._poll(self._generate_wait_s(queue)):
+                    num_done += self._on_generate_reply(w, header, queue, in_flight)
+                self._check_silence(in_flight)
+        except BaseException:
+            self._abort_requests(in_flight.values())
+            raise
+        return [RequestOutput(r.request_id, list(r.header["prompt"]), list(r.samples),
+                              r.worker.endpoint if r.worker else "") for r in requests]
+
+    def _dispatch(self, queue: "collections.deque[_PendingRequest]",
+                  in_flight: Dict[str, _PendingRequest]) -> None:
+        """Sends queued requests while some worker has room, least loaded first."""
+        num_workers = len(self._workers)
+        while queue:
+            now = time.monotonic()
+            n = queue[0].n
+            candidates = [w for w in self._workers if now >= w.backoff_until and (
+                w.num_inflight_samples == 0 or w.num_inflight_samples + n <= self.max_in_flight)]
+            if not candidates:
+                return
+            w = min(candidates, key=lambda c: (c.num_inflight_samples,
+                                               (c.index - self._round_robin) % num_workers))
+            self._round_robin = (w.index + 1) % num_workers
+            request = queue.popleft()
+            try:
+                self._send(w, request.header, request=f"generate {request.request_id}")
+            except VrollTimeoutError:
+                self._reset(w)
+                raise
+            request.worker = w
+            request.accepted = False
+            in_flight[request.request_id] = request
+            if w.num_inflight_requests == 0:
+                w.last_heard = now
+            w.num_inflight_requests += 1
+            w.num_inflight_samples += request.n - request.num_received
+
+    def _generate_wait_s(self, queue: "collections.deque[_PendingRequest]") -> float:
+        """How long the generate loop may block in poll: until the next back-off ends (when
+        requests wait for one) or the next silence check."""
+        wait = min(1.0, self.timeout_s)
+        if queue:
+            now = time.monotonic()
+            wait = min(wait, max(0.0, min(w.backoff_until for w in self._workers) - now))
+        return wait
+
+    def _on_generate_reply(self, w: _Worker, header: Dict[str, Any],
+                           queue: "collections.deque[_PendingRequest]",
+                           in_flight: Dict[str, _PendingRequest]) -> int:
+        """Applies one reply to the generate state; returns 1 when it completed a request."""
+        request = in_flight.get(header.get("id"))
+        if request is None or request.worker is not w:
+            self._drop(w, header)
+            return 0
+        now = time.monotonic()
+        w.last_heard = now
+        type_ = header.get("type")
+        if type_ == "accepted":
+            request.accepted = True
+            w.num_overloaded = 0
+            return 0
+        if type_ == "sample":
+            output = CompletionOutput.from_reply(header)
+            if not 0 <= output.index < request.n or request.samples[output.index] is not None:
+                raise VrollError(f"{w.endpoint}: sample_index {output.index} of request "
+                                 f"{request.request_id} (n = {request.n}) is out of range or "
+                                 "repeated")
+            request.samples[output.index] = output
+            request.num_received += 1
+            w.num_inflight_samples -= 1
+            if request.num_received < request.n:
+                return 0
+            del in_flight[request.request_id]
+            w.num_inflight_requests -= 1
+            return 1
+        if type_ == "error":
+            error = WorkerError.from_reply(w.endpoint, header, f"generate {request.request_id}")
+            if error.code == "overloaded" and not request.accepted and request.num_received == 0:
+                if request.first_overloaded_at is None:
+                    request.first_overloaded_at = now
+                elif now - request.first_overloaded_at > self.timeout_s:
+                    raise error
+                del in_flight[request.request_id]
+                w.num_inflight_requests -= 1
+                w.num_inflight_samples -= request.n
+                w.num_overloaded += 1
+                w.backoff_until = now + min(_MAX_OVERLOAD_BACKOFF_S,
+                                            0.01 * 2 ** min(w.num_overloaded, 10))
+                request.worker = None
+                queue.appendleft(request)
+                return 0
+            raise error
+        self._drop(w, header)
+        return 0
+
+    def _check_silence(self, in_flight: Dict[str, _PendingRequest]) -> None:
+        now = time.monotonic()
+        for w in self._workers:
+            if w.num_inflight_requests > 0 and now - w.last_heard > self.timeout_s:
+                self._reset(w)
+                stuck = [r for r in in_flight.values() if r.worker is w]
+                for r in stuck:
+                    del in_flight[r.request_id]
+                raise VrollTimeoutError(w.endpoint, f"generate ({len(stuck)} requests in flight)",
+                                        self.timeout_s)
+
+    def _abort_requests(self, requests: Any) -> None:
+        """Best effort: tells each request's worker to end it; replies are dropped later."""
+        for r in list(requests):
+            if r.worker is None:
+                continue
+            try:
+                r.worker.socket.send_multipart(
+                    [protocol.encode(protocol.make_abort(r.request_id, self._next_id("a")))],
+                    zmq.NOBLOCK)
+            except zmq.ZMQError as exc:
+                logger.warning("%s: could not abort %s: %s", r.worker.endpoint, r.request_id, exc)
+
+    # -----------------------------------------------------------------------------------------
+    # Weight updates.
+
+    def push_weights(self, named_tensors: Mapping[str, Any], version: int, mode: str = "drain",
+                     partial: bool = False, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                     endpoints: Optional[Sequence[str]] = None,
+                     apply_timeout_s: Optional[float] = None) -> List[UpdateAck]:
+        """Pushes new weights to the workers as one all-or-nothing update; returns each
+        worker's ``applied`` acknowledgement, in endpoint order.
+
+        Protocol: update_begin (manifest: name, dtype, shape, num_bytes, XXH3 checksum of the
+        bytes as sent) -> update_chunk per chunk_bytes of each tensor (raw ZeroMQ frames, sent
+        zero-copy from the tensors' memory) -> update_commit apply=false (each worker verifies)
+        -> update_apply to all only when all verified. Any failure before apply sends
+        update_abort to every worker: all keep their previous version.
+
+        Args:
+          named_tensors: {canonical name: torch.Tensor | numpy.ndarray}: float32, float16 or
+            bfloat16 (sent as raw 2-byte words), any device (copied to CPU) and shape. Must not
+            be modified until the call returns (bytes are sent from its memory).
+          version: the new policy version, greater than every worker's current one.
+          mode: what running sequences do at the swap: ``drain`` (finish under the old
+            weights), ``abort``, ``restart`` or ``continue``.
+          partial: True when named_tensors is a subset of the model's parameters (the
+            weights_checksum check is skipped then: the local tensors are not all the weights).
+          chunk_bytes: bytes per update_chunk frame (must fit the worker's max_message_bytes).
+          endpoints: a subset of this client's workers (default all).
+          apply_timeout_s: how long an apply may wait for the safe point (drain mode waits for
+            running samples to finish); default timeout_s.
+        Returns:
+          list[UpdateAck] with stage ``applied``, version == ``version`` and (full updates)
+          weights_checksum == weights_checksum(named_tensors).
+        Raises:
+          TypeError / ValueError: a bad argument or tensor dtype (nothing sent).
+          WeightUpdateError: ``phase`` says where (begin, stage, verify: aborted everywhere;
+            apply, checksum: see ``applied``); ``failures`` names each failed worker's error.
+        Cost: one XXH3 pass over the bytes as sent, one float32 conversion pass for the
+        weights checksum (unless partial), and one send of every byte to every worker.
+        """
+        if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+            raise ValueError(f"version = {version!r} must be an int >= 1 (initial weights are 0)")
+        if mode not in protocol.UPDATE_MODES:
+            raise ValueError(f"mode = {mode!r}; one of {protocol.UPDATE_MODES}")
+        if not named_tensors:
+            raise ValueError("named_tensors is empty")
+        if chunk_bytes < 1:
+            raise ValueError(f"chunk_bytes = {chunk_bytes} must be >= 1")
+        workers = self._select(endpoints)
+        tensors = [to_wire(name, named_tensors[name]) for name in sorted(named_tensors)]
+        expected_checksum = None if partial else weights_checksum(named_tensors)
+        update_id = self._next_id("u")
+        manifest = [protocol.make_manifest_entry(t.name, t.dtype, t.shape, t.num_bytes,
+                                                 t.checksum) for t in tensors]
+
+        def fail(phase: str, failures: Mapping[str, Exception]) -> WeightUpdateError:
+            self._abort_update(workers, update_id)
+            return WeightUpdateError(version, update_id, phase, failures)
+
+        # Phase 0: every worker opens the update (checks the version, names, shapes, dtypes).
+        results = self._call(
+            workers, lambda id_: protocol.make_update_begin(update_id, version, manifest, mode,
+                                                            partial, id_),
+            "update_ack", "update_begin")
+        failures = self._stage_failures(results, "begun")
+        if failures:
+            raise fail("begin", failures)
+
+        # Phase 1a: chunks, interleaved over the workers so that they stage in parallel.
+        failures = self._send_chunks(workers, update_id, tensors, chunk_bytes)
+        if failures:
+            raise fail("stage", failures)
+
+        # Phase 1b: every worker verifies (completeness, shapes, checksums) without applying.
+        chunk_errors: Dict[str, Exception] = {}
+
+        def on_chunk_error(w: _Worker, header: Dict[str, Any]) -> bool:
+            return self._take_chunk_error(w, header, update_id, chunk_errors)
+
+        results = self._call(
+            workers, lambda id_: protocol.make_update_commit(update_id, False, id_),
+            "update_ack", "update_commit(apply=false)", on_other=on_chunk_error)
+        if chunk_errors:
+            raise fail("stage", chunk_errors)
+        failures = self._stage_failures(results, "verified")
+        if failures:
+            raise fail("verify", failures)
+
+        # Phase 2: all verified: apply everywhere.
+        results = self._call(
+            workers, lambda id_: protocol.make_update_apply(update_id, id_), "update_ack",
+            "update_apply", apply_timeout_s)
+        failures = self._stage_failures(results, "applied")
+        acks = [UpdateAck.from_reply(ep, r) for ep, r in results.items() if ep not in failures]
+        if failures:
+            self._abort_update([self._by_endpoint[ep] for ep in failures], update_id)
+            raise WeightUpdateError(version, update_id, "apply", failures, acks)
+
+        for ack in acks:
+            if ack.version != version:
+                failures[ack.worker] = VrollError(
+                    f"{ack.worker}: applied update reports version {ack.version}, not {version}")
+            elif expected_checksum is not None and ack.weights_checksum != expected_checksum:
+                reported = ("none" if ack.weights_checksum is None
+                            else f"{ack.weights_checksum:#018x}")
+                failures[ack.worker] = VrollError(
+                    f"{ack.worker}: weights_checksum {reported} != local "
+                    f"{expected_checksum:#018x}")
+        if failures:
+            raise WeightUpdateError(version, update_id, "checksum", failures, acks)
+        return acks
+
+    @staticmethod
+    def _stage_failures(results: Mapping[str, Any], stage: str) -> Dict[str, Exception]:
+        failures: Dict[str, Exception] = {}
+        for endpoint, result in results.items():
+            if isinstance(result, Exception):
+                failures[endpoint] = result
+            elif result.get("stage") != stage:
+                failures[endpoint] = VrollError(
+                    f"{endpoint}: update_ack stage {result.get('stage')!r}, expected {stage!r}")
+        return failures
+
+    @staticmethod
+    def _take_chunk_error(w: _Worker, header: Mapping[str, Any], update_id: str,
+                          errors: Dict[str, Exception]) -> bool:
+        """Records an ``error`` answering one of this update's chunks (first per worker)."""
+        id_ = header.get("id") or ""
+        if header.get("type") != "error" or not id_.startswith(update_id + "."):
+            return False
+        errors.setdefault(w.endpoint, WorkerError.from_reply(w.endpoint, header, "update_chunk"))
+        return True
+
+    def _send_chunks(self, workers: Sequence[_Worker], update_id: str,
+                     tensors: Sequence[WireTensor], chunk_bytes: int) -> Dict[str, Exception]:
+        """Sends every chunk of every tensor to every worker; stops at the first chunk error
+        (checked between batches of chunks) or send timeout. Returns {endpoint: error}."""
+        errors: Dict[str, Exception] = {}
+        sequence = itertools.count()
+        since_check = 0
+        for tensor in tensors:
+            for offset, length in chunk_ranges(tensor.num_bytes, chunk_bytes):
+                payload = tensor.data[offset:offset + length]
+                for w in workers:
+                    header = protocol.make_update_chunk(update_id, tensor.name, offset,
+                                                        f"{update_id}.{next(sequence)}")
+                    try:
+                        self._send(w, header, [payload], request=f"update_chunk {tensor.name}")
+                    except VrollTimeoutError as exc:
+                        self._reset(w)
+                        errors[w.endpoint] = exc
+                        return errors
+                since_check += 1
+                if since_check >= _CHUNKS_PER_ERROR_CHECK:
+                    since_check = 0
+                    for w, header, _ in self._poll(0):
+                        if not self._take_chunk_error(w, header, update_id, errors):
+                            self._drop(w, header)
+                    if errors:
+                        return errors
+        return errors
+
+    def _abort_update(self, workers: Sequence[_Worker], update_id: str) -> None:
+        """update_abort to each worker, waiting briefly for the acks; errors (an update the
+        worker never opened) are expected and only logged."""
+        results = self._call(workers, lambda id_: protocol.make_update_abort(update_id, id_),
+                             "update_ack", "update_abort", min(self.timeout_s, _ABORT_TIMEOUT_S),
+                             on_other=lambda w, h: (h.get("id") or "").startswith(update_id + "."))
+        for endpoint, result in results.items():
+            if isinstance(result, Exception):
+                logger.info("%s: update_abort %s: %s", endpoint, update_id, result)
+
+    def ensure_weights(self, named_tensors: Mapping[str, Any], version: int, mode: str = "drain",
+                       chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                       endpoints: Optional[Sequence[str]] = None) -> List[UpdateAck]:
+        """Brings every worker to ``version``: asks each for its health and pushes the full
+        weights (one two-phase update among the stale ones) to those that report an older
+        version, e.g. a worker restarted from its initial weights (version 0).
+
+        Call it after a WorkerError/VrollTimeoutError from a worker, or before each round of
+        generation, to resume after a worker restart. A no-op (returns []) when all are current,
+        and for version 0 (initial weights, which a restarted worker already has).
+        Returns: the applied UpdateAcks of the workers that were updated.
+        Raises: VrollTimeoutError/WorkerError from health (a worker still down);
+        WeightUpdateError with phase ``version`` when a worker runs a *newer* version than
+        ``version`` (the trainer's state is behind: nothing is sent), or as push_weights.
+        """
+        workers = self._select(endpoints)
+        health = self.health([w.endpoint for w in workers])
+        stale = [ep for ep, h in health.items() if int(h.get("policy_version", 0)) < version]
+        newer = {ep: VrollError(f"{ep} runs version {h.get('policy_version')}, newer than "
+                                f"{version}")
+                 for ep, h in health.items() if int(h.get("policy_version", 0)) > version}
+        if newer:
+            raise WeightUpdateError(version, "", "version", newer)
+        if not stale:
+            return []
+        logger.info("ensure_weights: pushing version %d to %s", version, stale)
+        return self.push_weights(named_tensors, version, mode=mode, partial=False,
+                                 chunk_bytes=chunk_bytes, endpoints=stale)

@@ -1,0 +1,239 @@
+"""The client's value types: sampling parameters, outputs, update acknowledgements, errors."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+
+from . import protocol
+
+
+@dataclass
+class SamplingParams:
+    """Per-request sampling parameters (the vLLM ``SamplingParams`` subset an RL trainer needs).
+
+    Attributes:
+      temperature: softmax temperature, >= 0; 0 is greedy (argmax, lowest id on ties).
+      top_p: nucleus mass in (0, 1]; 1 disables it.
+      top_k: keep the k most likely tokens; 0 disables it.
+      max_tokens: generated tokens per sample, >= 1 (the protocol's ``max_new_tokens``).
+      stop_token_ids: generating one of these ends the sample with finish reason ``stop``.
+      include_stop_token: whether the stop token (and its logprob) is part of the output.
+      seed: seed of the request's generators (sample i draws from stream (seed, i)); None lets
+        the worker draw one.
+    The worker validates the values and answers a bad one with error ``bad_field`` naming
+    ``sampling.<field>``; the client only converts types.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_tokens: int = 16
+    stop_token_ids: List[int] = field(default_factory=list)
+    include_stop_token: bool = True
+    seed: Optional[int] = None
+
+    def to_wire(self) -> Dict[str, Any]:
+        """The protocol's ``sampling`` map. Raises TypeError for a non-integer stop token id."""
+        wire: Dict[str, Any] = {
+            "temperature": float(self.temperature),
+            "top_p": float(self.top_p),
+            "top_k": int(self.top_k),
+            "max_new_tokens": int(self.max_tokens),
+            "stop_token_ids": protocol._token_ids(self.stop_token_ids, "stop_token_ids"),
+            "include_stop_token": bool(self.include_stop_token),
+        }
+        if self.seed is not None:
+            wire["seed"] = int(self.seed)
+        return wire
+
+
+@dataclass
+class CompletionOutput:
+    """One sample of a request (the protocol's ``sample`` reply).
+
+    Attributes:
+      index: sample index in [0, n).
+      token_ids: generated token ids.
+      logprobs: per generated token, log_softmax(logits / temperature)[token] before top-k/top-p
+        under the policy that produced it (temperature 0: of the raw logits).
+      finish_reason: ``stop``, ``length``, ``aborted`` or ``error``.
+      policy_version: the version that produced the tokens (the last span's when mixed).
+      version_spans: [(begin, end, version)]: tokens [begin, end) came from ``version``.
+      num_prompt_tokens, num_cached_prompt_tokens: prompt length and how much of it came from
+        the prefix cache.
+      num_preemptions: times the sequence was preempted (recomputed).
+      queue_ms, first_token_ms, total_ms: milliseconds from acceptance.
+      error: the worker's message when finish_reason is ``error``, else None.
+    """
+
+    index: int
+    token_ids: List[int]
+    logprobs: List[float]
+    finish_reason: str
+    policy_version: int
+    version_spans: List[Tuple[int, int, int]]
+    num_prompt_tokens: int = 0
+    num_cached_prompt_tokens: int = 0
+    num_preemptions: int = 0
+    queue_ms: float = 0.0
+    first_token_ms: float = 0.0
+    total_ms: float = 0.0
+    error: Optional[str] = None
+
+    @classmethod
+    def from_reply(cls, reply: Mapping[str, Any]) -> "CompletionOutput":
+        """Builds one from a ``sample`` reply; missing optional fields take their defaults."""
+        return cls(
+            index=int(reply["sample_index"]),
+            token_ids=[int(t) for t in reply.get("output_ids", [])],
+            logprobs=[float(x) for x in reply.get("logprobs", [])],
+            finish_reason=str(reply.get("finish_reason", "")),
+            policy_version=int(reply.get("policy_version", 0)),
+            version_spans=[(int(b), int(e), int(v)) for b, e, v in reply.get("version_spans", [])],
+            num_prompt_tokens=int(reply.get("num_prompt_tokens", 0)),
+            num_cached_prompt_tokens=int(reply.get("num_cached_prompt_tokens", 0)),
+            num_preemptions=int(reply.get("num_preemptions", 0)),
+            queue_ms=float(reply.get("queue_ms", 0.0)),
+            first_token_ms=float(reply.get("first_token_ms", 0.0)),
+            total_ms=float(reply.get("total_ms", 0.0)),
+            error=reply.get("error") or None,
+        )
+
+
+@dataclass
+class RequestOutput:
+    """The result of one prompt: its n samples, in sample-index order.
+
+    Attributes:
+      request_id: the id the client gave the request (unique per client).
+      prompt_token_ids: the prompt as sent.
+      outputs: n CompletionOutputs, ``outputs[i].index == i``.
+      worker: the endpoint of the worker that generated it.
+    """
+
+    request_id: str
+    prompt_token_ids: List[int]
+    outputs: List[CompletionOutput]
+    worker: str = ""
+
+
+@dataclass
+class UpdateAck:
+    """A worker's ``update_ack`` for an applied (or otherwise acknowledged) weight update.
+
+    Attributes:
+      worker: endpoint of the worker.
+      update_id, stage: the update and the stage acknowledged (``applied`` from push_weights).
+      version: the policy version now in use.
+      weights_checksum: WeightsChecksum of every weight now in use (``applied`` only).
+      num_drained, num_aborted, num_restarted, num_recomputed: sequences affected by the swap.
+      wait_ms: apply request -> swap (waiting for the safe point, e.g. draining).
+      stall_ms: time generation was paused for the swap.
+    """
+
+    worker: str
+    update_id: str
+    stage: str
+    version: int
+    weights_checksum: Optional[int] = None
+    num_drained: int = 0
+    num_aborted: int = 0
+    num_restarted: int = 0
+    num_recomputed: int = 0
+    wait_ms: float = 0.0
+    stall_ms: float = 0.0
+
+    @classmethod
+    def from_reply(cls, worker: str, reply: Mapping[str, Any]) -> "UpdateAck":
+        checksum = reply.get("weights_checksum")
+        return cls(
+            worker=worker,
+            update_id=str(reply.get("update_id", "")),
+            stage=str(reply.get("stage", "")),
+            version=int(reply.get("version", 0)),
+            weights_checksum=None if checksum is None else int(checksum),
+            num_drained=int(reply.get("num_drained", 0)),
+            num_aborted=int(reply.get("num_aborted", 0)),
+            num_restarted=int(reply.get("num_restarted", 0)),
+            num_recomputed=int(reply.get("num_recomputed", 0)),
+            wait_ms=float(reply.get("wait_ms", 0.0)),
+            stall_ms=float(reply.get("stall_ms", 0.0)),
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Errors.
+
+
+class VrollError(Exception):
+    """Base class of every error this package raises (besides TypeError/ValueError for a
+    caller's bad argument)."""
+
+
+class WorkerError(VrollError):
+    """A worker answered a request with an ``error`` reply.
+
+    Attributes: worker (endpoint), code (``bad_field``, ``overloaded``, ``update_failed``, ...,
+    see docs/PROTOCOL.md), field (the offending field, or ""), message, request (what the client
+    asked: e.g. ``generate r3`` or ``update_begin``).
+    """
+
+    def __init__(self, worker: str, code: str, field: str, message: str, request: str = ""):
+        self.worker = worker
+        self.code = code
+        self.field = field
+        self.message = message
+        self.request = request
+        where = f" ({field})" if field else ""
+        what = f" to {request}" if request else ""
+        super().__init__(f"{worker}: error {code}{where}{what}: {message}")
+
+    @classmethod
+    def from_reply(cls, worker: str, reply: Mapping[str, Any], request: str = "") -> "WorkerError":
+        return cls(worker, str(reply.get("code", "")), str(reply.get("field", "") or ""),
+                   str(reply.get("message", "")), request)
+
+
+class VrollTimeoutError(VrollError, TimeoutError):
+    """A worker owed a reply and sent nothing for ``timeout_s`` seconds (dead, hung, unreachable
+    or overloaded), or a send could not be queued for as long. Attributes: worker, request."""
+
+    def __init__(self, worker: str, request: str, timeout_s: float):
+        self.worker = worker
+        self.request = request
+        self.timeout_s = timeout_s
+        super().__init__(f"{worker}: no reply to {request} for {timeout_s:g} s")
+
+
+class WeightUpdateError(VrollError):
+    """A weight update failed.
+
+    Attributes:
+      version, update_id: the update.
+      phase: where it failed: ``begin`` (manifest refused), ``stage`` (a chunk refused or a send
+        timed out), ``verify`` (the commit check), ``apply`` (after every worker verified: some
+        workers may have applied it, see ``applied``), ``checksum`` (applied, but a worker's
+        weights_checksum differs from the local one) or ``version`` (ensure_weights found a
+        worker running a newer version than the trainer's).
+      failures: {endpoint: WorkerError | VrollTimeoutError | VrollError} for each failed worker.
+      applied: UpdateAcks of workers that applied the update (phases ``apply``, ``checksum``);
+        empty otherwise: in phases begin/stage/verify every worker was sent ``update_abort`` and
+        keeps its previous version.
+    """
+
+    def __init__(self, version: int, update_id: str, phase: str,
+                 failures: Mapping[str, Exception], applied: Sequence[UpdateAck] = ()):
+        self.version = version
+        self.update_id = update_id
+        self.phase = phase
+        self.failures = dict(failures)
+        self.applied = list(applied)
+        causes = "; ".join(str(exc) for exc in self.failures.values())
+        if phase in ("apply", "checksum"):
+            outcome = f"{len(self.applied)} worker(s) applied it"
+        elif phase == "version":
+            outcome = "nothing sent"
+        else:
+            outcome = "aborted on every worker, versions unchanged"
+        super().__init__(f"weight update {update_id} (version {version}) failed at {phase} on "
+                         f"{', '.join(self.failures)}: {causes} [{outcome}]")
