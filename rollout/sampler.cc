@@ -86,17 +86,45 @@ TokenChoice SampleFromDistribution(const DistributionRow& row, const SamplingPar
   const float* probs = row.probs;
   const double u = rng.NextUniform();
   if (params.top_k <= 0 && params.top_p >= 1.0) {
-    // Inverse CDF in id order over the full distribution.
+    // Inverse CDF in id order over the full distribution, in two levels so that the long scan is
+    // vectorized: sums of blocks of kBlock probabilities, then a scalar scan inside one block.
+    constexpr int kBlock = 256;
+    const int num_blocks = (vocab + kBlock - 1) / kBlock;
     double total = 0;
-    for (int i = 0; i < vocab; ++i) total += probs[i];
-    const double target = u * total;
-    double cum = 0;
-    choice.token = vocab - 1;
-    for (int i = 0; i < vocab; ++i) {
-      cum += probs[i];
-      if (cum > target) {
-        choice.token = i;
-        break;
+    double block_sums[512];  // vocab <= 131072 on this path; larger vocabularies fall back below
+    if (num_blocks <= 512) {
+      for (int b = 0; b < num_blocks; ++b) {
+        const int begin = b * kBlock, end = std::min(vocab, begin + kBlock);
+        float sum = 0;
+#pragma omp simd reduction(+ : sum)
+        for (int i = begin; i < end; ++i) sum += probs[i];
+        block_sums[b] = sum;
+        total += sum;
+      }
+      const double target = u * total;
+      double cum = 0;
+      int b = 0;
+      while (b < num_blocks - 1 && cum + block_sums[b] <= target) cum += block_sums[b++];
+      const int begin = b * kBlock, end = std::min(vocab, begin + kBlock);
+      choice.token = end - 1;
+      for (int i = begin; i < end; ++i) {
+        cum += probs[i];
+        if (cum > target) {
+          choice.token = i;
+          break;
+        }
+      }
+    } else {
+      for (int i = 0; i < vocab; ++i) total += probs[i];
+      const double target = u * total;
+      double cum = 0;
+      choice.token = vocab - 1;
+      for (int i = 0; i < vocab; ++i) {
+        cum += probs[i];
+        if (cum > target) {
+          choice.token = i;
+          break;
+        }
       }
     }
     while (probs[choice.token] == 0 && choice.token > 0) --choice.token;  // never pick a zero-probability tail
