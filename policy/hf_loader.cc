@@ -102,7 +102,9 @@ std::string ReadWholeFile(const std::string& path, const std::string& what) {
   std::error_code error;
   if (!fs::is_regular_file(path, error)) {
     throw LoadError(fmt::format("{}: cannot open {}: {}", path, what,
-                                error ? error.message() : fs::exists(path) ? "not a regular file" : "no such file"));
+                                error              ? error.message()
+                                : fs::exists(path) ? "not a regular file"
+                                                   : "no such file"));
   }
   std::ifstream in(path, std::ios::binary);
   std::ostringstream text;
@@ -152,7 +154,8 @@ class ConfigReader {
   }
   float PositiveFloatValue(const json& value, const std::string& field) const {
     const bool ok = value.is_number() && value.get<double>() > 0 &&
-                    std::isfinite(static_cast<float>(value.get<double>())) && static_cast<float>(value.get<double>()) > 0;
+                    std::isfinite(static_cast<float>(value.get<double>())) &&
+                    static_cast<float>(value.get<double>()) > 0;
     if (!ok) throw LoadError(fmt::format("{}: field {} = {} must be a positive number", path_, field, Show(value)));
     return static_cast<float>(value.get<double>());
   }
@@ -194,11 +197,13 @@ class ConfigReader {
 
 /// The ModelConfig of a config.json; throws LoadError naming the file and the field.
 ModelConfig ParseConfig(const json& root, const std::string& path) {
-  if (!root.is_object()) throw LoadError(fmt::format("{}: the top level is {}, not a JSON object", path, root.type_name()));
+  if (!root.is_object())
+    throw LoadError(fmt::format("{}: the top level is {}, not a JSON object", path, root.type_name()));
   const ConfigReader r(root, path);
 
   const json* architectures = r.Find("architectures");
-  if (architectures == nullptr) r.Fail("architectures", fmt::format("is missing (expected [\"{}\"] or [\"{}\"])", kLlama, kQwen2));
+  if (architectures == nullptr)
+    r.Fail("architectures", fmt::format("is missing (expected [\"{}\"] or [\"{}\"])", kLlama, kQwen2));
   if (!architectures->is_array() || architectures->empty() || !(*architectures)[0].is_string()) {
     r.Fail("architectures", fmt::format("= {} must be a non-empty array of strings", Show(*architectures)));
   }
@@ -207,7 +212,8 @@ ModelConfig ParseConfig(const json& root, const std::string& path) {
     r.Fail("architectures[0]", fmt::format("= \"{}\" is not supported ({} and {} are)", architecture, kLlama, kQwen2));
   }
   const bool qwen2 = architecture == kQwen2;
-  r.RequireStringIfPresent("model_type", qwen2 ? "qwen2" : "llama", "it must agree with architectures[0] = " + architecture);
+  r.RequireStringIfPresent("model_type", qwen2 ? "qwen2" : "llama",
+                           "it must agree with architectures[0] = " + architecture);
 
   // Refuse whatever would make the model compute something else than ours.
   if (!r.IsAbsentOrNull("rope_scaling")) {
@@ -223,10 +229,12 @@ ModelConfig ParseConfig(const json& root, const std::string& path) {
     r.RequireNotTrue("mlp_bias", "the feed-forward has no biases");
   }
   if (const json* layer_types = r.Find("layer_types"); layer_types != nullptr && !layer_types->is_null()) {
-    const bool all_full = layer_types->is_array() &&
-                          std::all_of(layer_types->begin(), layer_types->end(),
-                                      [](const json& t) { return t.is_string() && t.get<std::string>() == "full_attention"; });
-    if (!all_full) r.Fail("layer_types", fmt::format("= {} is not supported (only \"full_attention\")", Show(*layer_types)));
+    const bool all_full =
+        layer_types->is_array() && std::all_of(layer_types->begin(), layer_types->end(), [](const json& t) {
+          return t.is_string() && t.get<std::string>() == "full_attention";
+        });
+    if (!all_full)
+      r.Fail("layer_types", fmt::format("= {} is not supported (only \"full_attention\")", Show(*layer_types)));
   }
 
   ModelConfig config;
@@ -250,7 +258,8 @@ ModelConfig ParseConfig(const json& root, const std::string& path) {
     for (const auto& [key, value] : rope->items()) {
       if (key == "rope_type" || key == "type") {
         if (!(value.is_string() && value.get<std::string>() == "default")) {
-          r.Fail("rope_parameters." + key, fmt::format("= {} is not supported (only \"default\": plain RoPE)", Show(value)));
+          r.Fail("rope_parameters." + key,
+                 fmt::format("= {} is not supported (only \"default\": plain RoPE)", Show(value)));
         }
       } else if (key == "rope_theta") {
         const float theta = r.PositiveFloatValue(value, "rope_parameters.rope_theta");
@@ -260,7 +269,8 @@ ModelConfig ParseConfig(const json& root, const std::string& path) {
         }
         config.rope_theta = theta;
       } else {
-        r.Fail("rope_parameters." + key, fmt::format("= {} is not supported (only rope_type and rope_theta)", Show(value)));
+        r.Fail("rope_parameters." + key,
+               fmt::format("= {} is not supported (only rope_type and rope_theta)", Show(value)));
       }
     }
   }
@@ -276,8 +286,9 @@ ModelConfig ParseConfig(const json& root, const std::string& path) {
            fmt::format("= {} does not divide num_attention_heads = {}", config.n_kv_heads, config.n_heads));
   }
   if ((config.dim / config.n_heads) % 2 != 0) {
-    r.Fail("num_attention_heads", fmt::format("= {} gives an odd head dimension {} (hidden_size = {}); RoPE needs pairs",
-                                              config.n_heads, config.dim / config.n_heads, config.dim));
+    r.Fail("num_attention_heads",
+           fmt::format("= {} gives an odd head dimension {} (hidden_size = {}); RoPE needs pairs", config.n_heads,
+                       config.dim / config.n_heads, config.dim));
   }
   if (const json* head_dim = r.Find("head_dim"); head_dim != nullptr && !head_dim->is_null()) {
     if (AsU64(*head_dim) != std::optional<uint64_t>(config.dim / config.n_heads)) {
@@ -308,15 +319,18 @@ struct TensorEntry {
 /// A validated safetensors header.
 struct SafetensorsFile {
   std::string path;
-  uint64_t data_start = 0;  // 8 + header length
+  uint64_t data_start = 0;           // 8 + header length
   std::vector<TensorEntry> tensors;  // in data order
 };
 
 const char* SafetensorsDTypeName(DType dtype) {
   switch (dtype) {
-    case DType::kF32: return "F32";
-    case DType::kF16: return "F16";
-    case DType::kBF16: return "BF16";
+    case DType::kF32:
+      return "F32";
+    case DType::kF16:
+      return "F16";
+    case DType::kBF16:
+      return "BF16";
   }
   VROLL_CHECK(false, "bad DType {}", static_cast<int>(dtype));
   return "";
@@ -339,7 +353,8 @@ TensorEntry ParseTensorEntry(const std::string& path, const std::string& name, c
     }
   };
   const Fail fail{path, name};
-  if (!value.is_object()) fail(fmt::format("header entry = {} must be an object {{dtype, shape, data_offsets}}", Show(value)));
+  if (!value.is_object())
+    fail(fmt::format("header entry = {} must be an object {{dtype, shape, data_offsets}}", Show(value)));
   for (const char* field : {"dtype", "shape", "data_offsets"}) {
     if (!value.contains(field)) fail(fmt::format("header entry has no field {}", field));
   }
@@ -347,8 +362,9 @@ TensorEntry ParseTensorEntry(const std::string& path, const std::string& name, c
   entry.name = name;
   const json& dtype = value["dtype"];
   if (!dtype.is_string()) fail(fmt::format("field dtype = {} must be a string", Show(dtype)));
-  static const std::set<std::string> kKnownUnsupported = {"F64", "I64", "U64", "I32", "U32", "I16", "U16", "I8",
-                                                          "U8",  "BOOL", "F8_E4M3", "F8_E5M2", "F8_E8M0", "F4", "F6_E2M3", "F6_E3M2"};
+  static const std::set<std::string> kKnownUnsupported = {"F64",     "I64", "U64",     "I32",    "U32",     "I16",
+                                                          "U16",     "I8",  "U8",      "BOOL",   "F8_E4M3", "F8_E5M2",
+                                                          "F8_E8M0", "F4",  "F6_E2M3", "F6_E3M2"};
   const std::optional<DType> parsed = ParseSafetensorsDType(dtype.get<std::string>());
   if (!parsed) {
     fail(fmt::format("field dtype = {} is {} (F32, F16 and BF16 are supported)", Show(dtype),
@@ -378,10 +394,12 @@ TensorEntry ParseTensorEntry(const std::string& path, const std::string& name, c
   const bool pair = offsets.is_array() && offsets.size() == 2;
   const std::optional<uint64_t> first = pair ? AsU64(offsets[0]) : std::nullopt;
   const std::optional<uint64_t> second = pair ? AsU64(offsets[1]) : std::nullopt;
-  if (!first || !second) fail(fmt::format("field data_offsets = {} must be [begin, end) non-negative integers", Show(offsets)));
+  if (!first || !second)
+    fail(fmt::format("field data_offsets = {} must be [begin, end) non-negative integers", Show(offsets)));
   const uint64_t begin = first.value_or(0), end = second.value_or(0);
   if (begin > end || end > data_bytes) {
-    fail(fmt::format("field data_offsets = [{}, {}) is out of range: the data buffer holds [0, {})", begin, end, data_bytes));
+    fail(fmt::format("field data_offsets = [{}, {}) is out of range: the data buffer holds [0, {})", begin, end,
+                     data_bytes));
   }
   if (end - begin != num_bytes) {
     fail(fmt::format("field data_offsets = [{}, {}) spans {} bytes but shape [{}] of {} needs {} bytes", begin, end,
@@ -418,7 +436,8 @@ SafetensorsFile ReadSafetensorsHeader(const std::string& path) {
   in.read(text.data(), static_cast<std::streamsize>(header_bytes));
   if (!in) throw LoadError(fmt::format("{}: cannot read the {}-byte header", path, header_bytes));
   const json header = ParseJson(text, path, "header");
-  if (!header.is_object()) throw LoadError(fmt::format("{}: header is {}, not a JSON object", path, header.type_name()));
+  if (!header.is_object())
+    throw LoadError(fmt::format("{}: header is {}, not a JSON object", path, header.type_name()));
 
   SafetensorsFile file;
   file.path = path;
@@ -426,9 +445,11 @@ SafetensorsFile ReadSafetensorsHeader(const std::string& path) {
   const uint64_t data_bytes = file_bytes - file.data_start;
   for (const auto& [name, value] : header.items()) {
     if (name == "__metadata__") {
-      const bool ok = value.is_object() &&
-                      std::all_of(value.begin(), value.end(), [](const json& v) { return v.is_string(); });
-      if (!ok) throw LoadError(fmt::format("{}: header field __metadata__ = {} must map strings to strings", path, Show(value)));
+      const bool ok =
+          value.is_object() && std::all_of(value.begin(), value.end(), [](const json& v) { return v.is_string(); });
+      if (!ok)
+        throw LoadError(
+            fmt::format("{}: header field __metadata__ = {} must map strings to strings", path, Show(value)));
       continue;
     }
     file.tensors.push_back(ParseTensorEntry(path, name, value, data_bytes));
@@ -444,8 +465,8 @@ SafetensorsFile ReadSafetensorsHeader(const std::string& path) {
   const TensorEntry* previous = nullptr;
   for (const TensorEntry& t : file.tensors) {
     if (t.begin < covered) {
-      throw LoadError(fmt::format("{}: tensor {} data_offsets [{}, {}) overlap tensor {} [{}, {})", path, t.name, t.begin,
-                                  t.end, previous->name, previous->begin, previous->end));
+      throw LoadError(fmt::format("{}: tensor {} data_offsets [{}, {}) overlap tensor {} [{}, {})", path, t.name,
+                                  t.begin, t.end, previous->name, previous->begin, previous->end));
     }
     if (t.begin > covered) {
       throw LoadError(fmt::format("{}: bytes [{}, {}) of the data buffer belong to no tensor (before tensor {})", path,
@@ -455,8 +476,9 @@ SafetensorsFile ReadSafetensorsHeader(const std::string& path) {
     previous = &t;
   }
   if (covered != data_bytes) {
-    throw LoadError(fmt::format("{}: {} trailing bytes after the last tensor (the data buffer is {} bytes, tensors cover {})",
-                                path, data_bytes - covered, data_bytes, covered));
+    throw LoadError(
+        fmt::format("{}: {} trailing bytes after the last tensor (the data buffer is {} bytes, tensors cover {})", path,
+                    data_bytes - covered, data_bytes, covered));
   }
   return file;
 }
@@ -486,12 +508,13 @@ HostTensor ReadTensor(std::ifstream& in, const SafetensorsFile& file, const Tens
 /// The shard file names of an index, with the tensors each must hold; validates the index.
 std::map<std::string, std::set<std::string>> ParseIndex(const std::string& index_path) {
   const json index = ParseJson(ReadWholeFile(index_path, "index"), index_path, "index");
-  if (!index.is_object()) throw LoadError(fmt::format("{}: the top level is {}, not a JSON object", index_path, index.type_name()));
+  if (!index.is_object())
+    throw LoadError(fmt::format("{}: the top level is {}, not a JSON object", index_path, index.type_name()));
   const auto it = index.find("weight_map");
   if (it == index.end()) throw LoadError(fmt::format("{}: missing field weight_map", index_path));
   if (!it->is_object() || it->empty()) {
-    throw LoadError(fmt::format("{}: field weight_map = {} must be a non-empty object {{tensor: shard file}}", index_path,
-                                Show(*it)));
+    throw LoadError(fmt::format("{}: field weight_map = {} must be a non-empty object {{tensor: shard file}}",
+                                index_path, Show(*it)));
   }
   std::map<std::string, std::set<std::string>> tensors_by_shard;
   for (const auto& [name, shard] : it->items()) {
@@ -563,7 +586,8 @@ void WriteSafetensors(const std::string& path, const std::vector<std::pair<std::
   uint64_t offset = 0;
   for (const auto& [name, tensor] : tensors) {
     const uint64_t bytes = static_cast<uint64_t>(tensor->numel()) * DTypeSize(dtype);
-    header[name] = {{"dtype", SafetensorsDTypeName(dtype)}, {"shape", tensor->shape}, {"data_offsets", {offset, offset + bytes}}};
+    header[name] = {
+        {"dtype", SafetensorsDTypeName(dtype)}, {"shape", tensor->shape}, {"data_offsets", {offset, offset + bytes}}};
     offset += bytes;
   }
   std::string text = header.dump();
@@ -577,7 +601,8 @@ void WriteSafetensors(const std::string& path, const std::vector<std::pair<std::
   std::vector<uint16_t> raw;
   for (const auto& [name, tensor] : tensors) {
     if (dtype == DType::kF32) {
-      out.write(reinterpret_cast<const char*>(tensor->data.data()), static_cast<std::streamsize>(tensor->data.size() * 4));
+      out.write(reinterpret_cast<const char*>(tensor->data.data()),
+                static_cast<std::streamsize>(tensor->data.size() * 4));
       continue;
     }
     raw.resize(tensor->data.size());
@@ -660,8 +685,8 @@ Checkpoint LoadHfCheckpoint(const std::string& dir) {
       for (size_t e = 0; e < file.tensors.size(); ++e) {
         const std::string& name = file.tensors[e].name;
         if (names.count(name) == 0) {
-          throw LoadError(fmt::format("{}: tensor {} is in this shard but {} weight_map does not map it here", shard_path,
-                                      name, index_path));
+          throw LoadError(fmt::format("{}: tensor {} is in this shard but {} weight_map does not map it here",
+                                      shard_path, name, index_path));
         }
         in_shard.insert(name);
         where[name] = {files.size() - 1, e};
@@ -702,10 +727,11 @@ Checkpoint LoadHfCheckpoint(const std::string& dir) {
     if (expected_names.count(name) != 0) continue;
     if (name == "lm_head.weight" && config.tie_word_embeddings) {
       if (entry_of(name).shape != entry_of("model.embed_tokens.weight").shape) {
-        throw LoadError(fmt::format("{}: tensor lm_head.weight has shape [{}], but {} ties it to "
-                                    "model.embed_tokens.weight [{}] (tie_word_embeddings = true)",
-                                    file_of(name), fmt::join(entry_of(name).shape, ", "), config_path,
-                                    fmt::join(entry_of("model.embed_tokens.weight").shape, ", ")));
+        throw LoadError(
+            fmt::format("{}: tensor lm_head.weight has shape [{}], but {} ties it to "
+                        "model.embed_tokens.weight [{}] (tie_word_embeddings = true)",
+                        file_of(name), fmt::join(entry_of(name).shape, ", "), config_path,
+                        fmt::join(entry_of("model.embed_tokens.weight").shape, ", ")));
       }
       tied_head_in_file = true;
       continue;
@@ -727,9 +753,10 @@ Checkpoint LoadHfCheckpoint(const std::string& dir) {
     const HostTensor& head = checkpoint.weights.at("lm_head.weight");
     const HostTensor& embed = checkpoint.weights.at("model.embed_tokens.weight");
     if (std::memcmp(head.data.data(), embed.data.data(), head.data.size() * sizeof(float)) != 0) {
-      throw LoadError(fmt::format("{}: tensor lm_head.weight differs from model.embed_tokens.weight, but {} has "
-                                  "tie_word_embeddings = true",
-                                  file_of("lm_head.weight"), config_path));
+      throw LoadError(
+          fmt::format("{}: tensor lm_head.weight differs from model.embed_tokens.weight, but {} has "
+                      "tie_word_embeddings = true",
+                      file_of("lm_head.weight"), config_path));
     }
     checkpoint.weights.erase("lm_head.weight");
   }
@@ -743,9 +770,10 @@ void SaveHfCheckpoint(const Checkpoint& checkpoint, const std::string& dir, cons
   const ModelConfig& config = checkpoint.config;
   config.Validate(dir + ":");
   if (config.rope_layout != RopeLayout::kHalfSplit) {
-    throw ConfigError(fmt::format("{}: field rope_layout must be half_split to save as Hugging Face (permute llama2.c "
-                                  "q/k rows with PermuteForHalfSplitRope first); got {}",
-                                  dir, config.ToString()));
+    throw ConfigError(
+        fmt::format("{}: field rope_layout must be half_split to save as Hugging Face (permute llama2.c "
+                    "q/k rows with PermuteForHalfSplitRope first); got {}",
+                    dir, config.ToString()));
   }
   ValidateWeights(config, checkpoint.weights, dir);
   DTypeSize(options.dtype);  // throws on a value outside the enumerators
@@ -765,7 +793,9 @@ void SaveHfCheckpoint(const Checkpoint& checkpoint, const std::string& dir, cons
     shard_bytes += bytes;
     total_bytes += bytes;
   }
-  if (shards.size() > 99999) throw ConfigError(fmt::format("{}: max_shard_bytes = {} gives more than 99999 shards", dir, options.max_shard_bytes));
+  if (shards.size() > 99999)
+    throw ConfigError(
+        fmt::format("{}: max_shard_bytes = {} gives more than 99999 shards", dir, options.max_shard_bytes));
 
   std::error_code error;
   fs::create_directories(dir, error);
@@ -790,7 +820,8 @@ Checkpoint PermuteForHalfSplitRope(const Checkpoint& checkpoint) {
   const ModelConfig& config = checkpoint.config;
   config.Validate("PermuteForHalfSplitRope:");
   if (config.rope_layout != RopeLayout::kInterleaved) {
-    throw ConfigError(fmt::format("PermuteForHalfSplitRope: field rope_layout must be interleaved; got {}", config.ToString()));
+    throw ConfigError(
+        fmt::format("PermuteForHalfSplitRope: field rope_layout must be interleaved; got {}", config.ToString()));
   }
   ValidateWeights(config, checkpoint.weights, "PermuteForHalfSplitRope");
   Checkpoint out = checkpoint;
@@ -815,7 +846,7 @@ uint16_t FloatToHalf(float value) {
   const uint32_t exponent = (bits >> 23) & 0xffu;  // binary32 bias 127; binary16 bias 15
   const uint32_t mantissa = bits & 0x7fffffu;
   if (exponent == 0xff) {
-    if (mantissa == 0) return sign | 0x7c00u;  // +-inf
+    if (mantissa == 0) return sign | 0x7c00u;                         // +-inf
     return static_cast<uint16_t>(sign | 0x7e00u | (mantissa >> 13));  // NaN: quiet, top payload bits
   }
   if (exponent >= 127 + 16) return sign | 0x7c00u;  // >= 2^16: beyond 65504 even after rounding

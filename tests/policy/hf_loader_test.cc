@@ -10,8 +10,8 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdio>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -210,7 +210,8 @@ ConfigFields LlamaFields(const ModelConfig& c) {
 
 std::string ConfigText(const ConfigFields& fields) {
   std::string text = "{";
-  for (const auto& [name, value] : fields) text += fmt::format("{}\n  \"{}\": {}", text.size() > 1 ? "," : "", name, value);
+  for (const auto& [name, value] : fields)
+    text += fmt::format("{}\n  \"{}\": {}", text.size() > 1 ? "," : "", name, value);
   return text + "\n}\n";
 }
 
@@ -242,7 +243,8 @@ class HfLoaderTest : public ::testing::Test {
       ADD_FAILURE() << "no LoadError for " << Dir();
     } catch (const LoadError& e) {
       const std::string what = e.what();
-      for (const std::string& needle : needles) EXPECT_NE(what.find(needle), std::string::npos) << "no '" << needle << "' in: " << what;
+      for (const std::string& needle : needles)
+        EXPECT_NE(what.find(needle), std::string::npos) << "no '" << needle << "' in: " << what;
     }
   }
 
@@ -314,8 +316,8 @@ TEST_F(HfLoaderTest, Stories260KShardedBf16StaysCloseToF32) {
   SaveHfCheckpoint(f32, Dir(), options);
   EXPECT_FALSE(fs::exists(PathOf("model.safetensors")));
   EXPECT_TRUE(fs::exists(PathOf("model.safetensors.index.json")));
-  for (const char* shard : {"model-00001-of-00003.safetensors", "model-00002-of-00003.safetensors",
-                            "model-00003-of-00003.safetensors"}) {
+  for (const char* shard :
+       {"model-00001-of-00003.safetensors", "model-00002-of-00003.safetensors", "model-00003-of-00003.safetensors"}) {
     ASSERT_TRUE(fs::exists(PathOf(shard))) << shard;
     EXPECT_LE(fs::file_size(PathOf(shard)), 200'000u + 4096u) << shard;  // data + header
   }
@@ -346,9 +348,10 @@ TEST_F(HfLoaderTest, Stories260KShardedBf16StaysCloseToF32) {
   int same_ids = 0, same_prefix = 0;
   for (size_t i = 0; i < greedy.size(); ++i) same_ids += greedy[i] == reference[i];
   while (same_prefix < 200 && greedy[same_prefix] == reference[same_prefix]) ++same_prefix;
-  std::printf("[ bf16     ] max |logit| %.4f, max |bf16 - f32| %.4f (%.2f%%), teacher-forced argmax agrees at "
-              "%lld/200 positions; free-running greedy: %d/200 ids equal the reference, first %d in a row\n",
-              max_abs, max_diff, 100 * max_diff / max_abs, static_cast<long long>(same_argmax), same_ids, same_prefix);
+  std::printf(
+      "[ bf16     ] max |logit| %.4f, max |bf16 - f32| %.4f (%.2f%%), teacher-forced argmax agrees at "
+      "%lld/200 positions; free-running greedy: %d/200 ids equal the reference, first %d in a row\n",
+      max_abs, max_diff, 100 * max_diff / max_abs, static_cast<long long>(same_argmax), same_ids, same_prefix);
   EXPECT_LE(max_diff, 0.02 * max_abs);
   EXPECT_GE(same_argmax, 195);
 }
@@ -485,7 +488,9 @@ TEST_F(HfLoaderTest, PermuteForHalfSplitRopeMatchesTransformersAndKeepsTheLogits
   EXPECT_EQ(half.config.rope_layout, RopeLayout::kHalfSplit);
   for (const auto& [name, tensor] : interleaved.weights) {
     const bool q = name.find(".q_proj.") != std::string::npos, k = name.find(".k_proj.") != std::string::npos;
-    const HostTensor want = q ? TorchPermute(tensor, config.n_heads) : k ? TorchPermute(tensor, config.n_kv_heads) : tensor;
+    const HostTensor want = q   ? TorchPermute(tensor, config.n_heads)
+                            : k ? TorchPermute(tensor, config.n_kv_heads)
+                                : tensor;
     EXPECT_EQ(half.weights.at(name).data, want.data) << name;
   }
   const std::vector<TokenId> tokens = {1, 2, 3, 50, 60, 70, 80, 90, 91, 92};
@@ -560,12 +565,12 @@ TEST_F(HfLoaderTest, RejectsBadJsonHeaders) {
   ExpectWeightsError(SafetensorsFromHeader(R"({"__metadata__": [1]})", ""), {"__metadata__"});
   ExpectWeightsError(SafetensorsFromHeader(R"({"t": {"dtype": "F32", "shape": [1]}})", std::string(4, '\0')),
                      {"tensor t", "data_offsets"});
-  ExpectWeightsError(SafetensorsFromHeader(R"({"t": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 4]}})",
-                                           std::string(4, '\0')),
-                     {"tensor t", "shape"});
-  ExpectWeightsError(SafetensorsFromHeader(R"({"t": {"dtype": "F32", "shape": [1], "data_offsets": [0.0, 4]}})",
-                                           std::string(4, '\0')),
-                     {"tensor t", "data_offsets"});
+  ExpectWeightsError(
+      SafetensorsFromHeader(R"({"t": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 4]}})", std::string(4, '\0')),
+      {"tensor t", "shape"});
+  ExpectWeightsError(
+      SafetensorsFromHeader(R"({"t": {"dtype": "F32", "shape": [1], "data_offsets": [0.0, 4]}})", std::string(4, '\0')),
+      {"tensor t", "data_offsets"});
 }
 
 TEST_F(HfLoaderTest, RejectsUnknownAndUnsupportedDTypes) {
@@ -584,13 +589,16 @@ TEST_F(HfLoaderTest, RejectsOffsetsOutOfRangeAndSizeMismatch) {
                      {"tensor w", "data_offsets", "[8, 24)", "out of range", "[0, 16)"});
   ExpectWeightsError(SafetensorsFromHeader(R"({"w": {"dtype": "F32", "shape": [4], "data_offsets": [12, 4]}})", data),
                      {"tensor w", "data_offsets", "out of range"});
-  ExpectWeightsError(SafetensorsFromHeader(R"({"w": {"dtype": "BF16", "shape": [2, 3], "data_offsets": [0, 16]}})", data),
-                     {"tensor w", "data_offsets", "shape [2, 3]", "12 bytes"});
   ExpectWeightsError(
-      SafetensorsFromHeader(R"({"w": {"dtype": "F32", "shape": [4611686018427387904, 8], "data_offsets": [0, 16]}})", data),
+      SafetensorsFromHeader(R"({"w": {"dtype": "BF16", "shape": [2, 3], "data_offsets": [0, 16]}})", data),
+      {"tensor w", "data_offsets", "shape [2, 3]", "12 bytes"});
+  ExpectWeightsError(
+      SafetensorsFromHeader(R"({"w": {"dtype": "F32", "shape": [4611686018427387904, 8], "data_offsets": [0, 16]}})",
+                            data),
       {"tensor w", "shape", "overflows"});
   ExpectWeightsError(
-      SafetensorsFromHeader(R"({"w": {"dtype": "F32", "shape": [4294967296, 2147483649, 0], "data_offsets": [0, 0]}})", data),
+      SafetensorsFromHeader(R"({"w": {"dtype": "F32", "shape": [4294967296, 2147483649, 0], "data_offsets": [0, 0]}})",
+                            data),
       {"tensor w", "shape", "overflows 2^63"});
 }
 
@@ -618,12 +626,14 @@ TEST_F(HfLoaderTest, RejectsMissingExtraAndMisshapenTensors) {
   weights = saved.weights;
   weights["model.layers.0.self_attn.rotary_emb.inv_freq"] = HostTensor{{4}, {1, 2, 3, 4}};
   weights["model.layers.2.mlp.up_proj.weight"] = HostTensor{{2}, {1, 2}};
-  ExpectWeightsError(SafetensorsBytes(RawF32(weights)),
-                     {"unexpected tensors", "model.layers.0.self_attn.rotary_emb.inv_freq", "model.layers.2.mlp.up_proj.weight"});
+  ExpectWeightsError(
+      SafetensorsBytes(RawF32(weights)),
+      {"unexpected tensors", "model.layers.0.self_attn.rotary_emb.inv_freq", "model.layers.2.mlp.up_proj.weight"});
 
   weights = saved.weights;
   weights["model.norm.weight"] = HostTensor{{47}, std::vector<float>(47, 1.0f)};
-  ExpectWeightsError(SafetensorsBytes(RawF32(weights)), {"tensor model.norm.weight", "shape [47]", "[48]", "config.json"});
+  ExpectWeightsError(SafetensorsBytes(RawF32(weights)),
+                     {"tensor model.norm.weight", "shape [47]", "[48]", "config.json"});
 }
 
 TEST_F(HfLoaderTest, RejectsBadConfigFields) {
@@ -661,8 +671,12 @@ TEST_F(HfLoaderTest, RejectsBadConfigFields) {
       {"layer_types", "[\"full_attention\", \"sliding_attention\"]", {"layer_types"}},
       {"quantization_config", "{\"quant_method\": \"gptq\"}", {"quantization_config"}},
       {"rope_scaling", "{\"type\": \"linear\", \"factor\": 2.0}", {"rope_scaling", "not supported"}},
-      {"rope_parameters", "{\"rope_type\": \"llama3\", \"rope_theta\": 500000.0}", {"rope_parameters.rope_type", "llama3"}},
-      {"rope_parameters", "{\"rope_type\": \"default\", \"rope_theta\": 10000.0}", {"rope_parameters.rope_theta", "disagrees"}},
+      {"rope_parameters",
+       "{\"rope_type\": \"llama3\", \"rope_theta\": 500000.0}",
+       {"rope_parameters.rope_type", "llama3"}},
+      {"rope_parameters",
+       "{\"rope_type\": \"default\", \"rope_theta\": 10000.0}",
+       {"rope_parameters.rope_theta", "disagrees"}},
   };
   for (const Case& c : cases) {
     SCOPED_TRACE(c.field + " = " + c.value);
@@ -790,7 +804,7 @@ TEST(HfDTypeTest, FloatToHalfRoundsToNearestEven) {
   EXPECT_EQ(FloatToHalf(1e30f), 0x7c00);
   EXPECT_EQ(FloatToHalf(-1e30f), 0xfc00);
   EXPECT_EQ(FloatToHalf(1e-30f), 0x0000);
-  EXPECT_EQ(FloatToHalf(-1e-45f), 0x8000);  // a binary32 subnormal
+  EXPECT_EQ(FloatToHalf(-1e-45f), 0x8000);                // a binary32 subnormal
   EXPECT_EQ(FloatToHalf(std::ldexp(1.0f, -25)), 0x0000);  // half of the smallest subnormal: ties to 0
   EXPECT_EQ(FloatToHalf(std::nextafter(std::ldexp(1.0f, -25), 1.0f)), 0x0001);
 }
@@ -811,7 +825,7 @@ TEST(HfDTypeTest, FloatToBFloat16InvertsAndRoundsToNearestEven) {
     ASSERT_EQ(FloatToBFloat16(std::nextafter(mid, value)), bits) << bits;
     ASSERT_EQ(FloatToBFloat16(std::nextafter(mid, next)), bits + 1) << bits;
   }
-  EXPECT_EQ(FloatToBFloat16(3.4028235e38f), 0x7f80);  // FLT_MAX rounds up to inf
+  EXPECT_EQ(FloatToBFloat16(3.4028235e38f), 0x7f80);                            // FLT_MAX rounds up to inf
   EXPECT_TRUE(std::isnan(BFloat16ToFloat(FloatToBFloat16(std::nanf("0x1")))));  // low payload: stays NaN
 }
 
