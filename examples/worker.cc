@@ -1,0 +1,118 @@
+// vroll-worker: a rollout worker serving the wire protocol (docs/PROTOCOL.md) on one ZeroMQ
+// ROUTER socket: generate requests from clients, weight updates from a trainer. Logs go to
+// stderr; the one line on stdout is the bound endpoint (useful with tcp://127.0.0.1:*).
+//
+//   vroll-worker --endpoint tcp://127.0.0.1:5555                       # the embedded default model
+//   vroll-worker --model stories260K.bin --tokenizer tok512.bin --kv-cache-mb 256
+//   vroll-worker --endpoint tcp://0.0.0.0:5555 --curve-secret-key worker.key
+//       --curve-trainer-keys trainers.txt --curve-client-keys clients.txt   (one command line)
+
+#include <csignal>
+#include <cstdio>
+#include <optional>
+#include <string>
+
+#include <CLI/CLI.hpp>
+
+#include "policy/blas_setup.h"
+#include "policy/default_model.h"
+#include "policy/llama2c_loader.h"
+#include "policy/logging.h"
+#include "policy/tokenizer.h"
+#include "rollout/engine.h"
+#include "transport/curve.h"
+#include "transport/worker_server.h"
+
+namespace {
+
+vroll::transport::WorkerServer* g_server = nullptr;  // set while Run() serves; read by the handler
+
+void OnSignal(int) {
+  if (g_server != nullptr) g_server->Stop();  // async-signal-safe: an atomic store and a write()
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  vroll::EnsureFastBlas(argc, argv);
+  std::string model_path, tokenizer_path, secret_key_path, trainer_keys_path, client_keys_path;
+  vroll::rollout::EngineConfig engine_config;
+  vroll::transport::WorkerConfig worker_config;
+  int64_t kv_cache_mb = engine_config.kv_cache_bytes >> 20;
+  int64_t max_message_mb = worker_config.max_message_bytes >> 20;
+  int threads = 0;
+  CLI::App app{"vroll-worker: serve generation and weight updates over ZeroMQ (docs/PROTOCOL.md).\n"
+               "With no --model it runs the " + vroll::policy::DefaultModelDescription() + "."};
+  app.add_option("--model", model_path, "llama2.c checkpoint (.bin); default: the embedded model")->check(CLI::ExistingFile);
+  app.add_option("--tokenizer", tokenizer_path, "llama2.c tokenizer.bin (checked against the model's vocabulary)")
+      ->check(CLI::ExistingFile);
+  app.add_option("--endpoint", worker_config.endpoint, "tcp://HOST:PORT (tcp://127.0.0.1:* picks a port) or ipc://PATH")
+      ->capture_default_str();
+  app.add_option("--kv-cache-mb", kv_cache_mb, "KV cache budget, MiB")->capture_default_str()->check(CLI::PositiveNumber);
+  app.add_option("--max-num-seqs", engine_config.max_num_seqs, "sequences running at once (and the largest n)")
+      ->capture_default_str()->check(CLI::PositiveNumber);
+  app.add_option("--max-num-batched-tokens", engine_config.max_num_batched_tokens, "tokens computed per step")
+      ->capture_default_str()->check(CLI::PositiveNumber);
+  app.add_option("--max-pending", engine_config.max_pending_requests, "requests accepted and unfinished (beyond: overloaded)")
+      ->capture_default_str()->check(CLI::PositiveNumber);
+  app.add_option("--max-message-mb", max_message_mb, "largest frame accepted, MiB")->capture_default_str()->check(CLI::PositiveNumber);
+  app.add_option("--update-timeout-ms", worker_config.update_timeout_ms, "abort an update silent for this long")
+      ->capture_default_str()->check(CLI::PositiveNumber);
+  app.add_option("--seed", engine_config.seed, "draws the seeds of requests that carry none")->capture_default_str();
+  app.add_option("--curve-secret-key", secret_key_path, "file with this worker's Z85 CURVE secret key (turns CURVE on)")
+      ->check(CLI::ExistingFile);
+  app.add_option("--curve-trainer-keys", trainer_keys_path, "allow-list file: Z85 public keys that may do everything")
+      ->check(CLI::ExistingFile);
+  app.add_option("--curve-client-keys", client_keys_path, "allow-list file: Z85 public keys that may generate only")
+      ->check(CLI::ExistingFile);
+  app.add_option("--threads", threads, "intra-op threads (0 = all cores)")->capture_default_str();
+  CLI11_PARSE(app, argc, argv);
+
+  auto& log = vroll::Logger("examples");
+  try {
+    vroll::ConfigureThreads(threads);
+    vroll::BlasSelfCheck();
+    if (!tokenizer_path.empty() && model_path.empty()) throw std::invalid_argument("--tokenizer needs --model");
+    if (secret_key_path.empty() && !(trainer_keys_path.empty() && client_keys_path.empty())) {
+      throw std::invalid_argument("--curve-trainer-keys / --curve-client-keys need --curve-secret-key");
+    }
+    vroll::policy::Checkpoint ckpt;
+    if (model_path.empty()) {
+      log.info("no --model: using the {}", vroll::policy::DefaultModelDescription());
+      ckpt = vroll::policy::MakeDefaultCheckpoint();
+    } else {
+      ckpt = vroll::policy::LoadLlama2cCheckpoint(model_path);
+      if (!tokenizer_path.empty()) (void)vroll::policy::Tokenizer::LoadLlama2c(tokenizer_path, ckpt.config.vocab_size);
+    }
+    engine_config.kv_cache_bytes = kv_cache_mb << 20;
+    worker_config.max_message_bytes = max_message_mb << 20;
+    if (!secret_key_path.empty()) {
+      worker_config.curve.secret_key = vroll::transport::ReadCurveKeyFile(secret_key_path);
+      if (!trainer_keys_path.empty()) worker_config.curve.trainer_keys = vroll::transport::ReadCurveKeyListFile(trainer_keys_path);
+      if (!client_keys_path.empty()) worker_config.curve.client_keys = vroll::transport::ReadCurveKeyListFile(client_keys_path);
+    }
+
+    vroll::rollout::Engine engine(ckpt, engine_config);
+    engine.Start();
+    vroll::transport::WorkerServer server(engine, worker_config);
+    std::printf("%s\n", server.endpoint().c_str());
+    std::fflush(stdout);
+
+    g_server = &server;
+    struct sigaction action = {};
+    action.sa_handler = OnSignal;
+    sigemptyset(&action.sa_mask);
+    sigaction(SIGINT, &action, nullptr);
+    sigaction(SIGTERM, &action, nullptr);
+    server.Run();
+    std::signal(SIGINT, SIG_DFL);
+    std::signal(SIGTERM, SIG_DFL);
+    g_server = nullptr;
+    engine.Stop();
+    log.info("worker exited cleanly");
+  } catch (const std::exception& e) {
+    log.error("{}", e.what());
+    return 1;
+  }
+  return 0;
+}

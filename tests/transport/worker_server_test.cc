@@ -1,0 +1,716 @@
+// The worker over real sockets (tcp://127.0.0.1 on ephemeral ports, ipc:// with unique paths),
+// in-process: results against an independent in-process Engine::Generate, every bad-input class
+// answered with its code and field while the worker keeps serving, vanished clients and trainers,
+// weight pushes checked by checksum and by the version samples carry, backpressure and CURVE.
+// No sleeps: every wait is a receive or poll with a deadline that fails with a message.
+
+#include <chrono>
+#include <cstring>
+#include <fstream>
+#include <functional>
+#include <map>
+#include <random>
+#include <set>
+#include <thread>
+
+#include <gtest/gtest.h>
+
+#include "policy/default_model.h"
+#include "policy/errors.h"
+#include "policy/weight_update.h"
+#include "tests/transport/transport_test_util.h"
+#include "transport/client.h"
+#include "transport/curve.h"
+#include "transport/worker_server.h"
+
+namespace vroll::transport {
+namespace {
+
+using rollout::FinishReason;
+using rollout::Request;
+using rollout::SampleResult;
+using testing::Connect;
+using testing::DefaultCheckpoint;
+using testing::GenerateHeader;
+using testing::Header;
+using testing::IpcEndpoint;
+using testing::MakeRequest;
+using testing::SmallEngineConfig;
+using testing::Value;
+using testing::WorkerHarness;
+
+constexpr int64_t kReplyWaitMs = 20000;  // generous: a failing wait reports instead of hanging
+constexpr int64_t kNoReplyWaitMs = 1000;  // how long "no reply at all" is watched for
+using Clock = std::chrono::steady_clock;
+
+/// The next reply; throws (failing the test with the message) when none comes in time.
+WorkerMessage Next(Client& c, int64_t timeout_ms = kReplyWaitMs) {
+  std::optional<WorkerMessage> m = c.Receive(timeout_ms);
+  if (!m) throw std::runtime_error(fmt::format("no reply within {} ms", timeout_ms));
+  return std::move(*m);
+}
+
+template <class T>
+T NextAs(Client& c) {
+  WorkerMessage m = Next(c);
+  if (auto* t = std::get_if<T>(&m)) return std::move(*t);
+  if (auto* e = std::get_if<ErrorMsg>(&m)) {
+    throw std::runtime_error(fmt::format("got error {} {}: {}", ErrorCodeName(e->code), e->field, e->message));
+  }
+  throw std::runtime_error(fmt::format("got a {} reply", TypeName(m)));
+}
+
+std::vector<policy::TokenId> RandomPrompt(std::mt19937& rng, int len) {
+  std::vector<policy::TokenId> p = {1};
+  for (int i = 1; i < len; ++i) p.push_back(std::uniform_int_distribution<int>(3, 258)(rng));
+  return p;
+}
+
+/// Greedy and seeded-sampling requests (n = 1 and groups of 3), ids prefixed by `prefix`.
+std::vector<Request> SeededRequests(const std::string& prefix, int count, uint64_t seed) {
+  std::mt19937 rng(static_cast<uint32_t>(seed));
+  std::vector<Request> requests;
+  for (int i = 0; i < count; ++i) {
+    const bool sampled = i % 2 == 1;
+    requests.push_back(MakeRequest(fmt::format("{}-{}", prefix, i), RandomPrompt(rng, 3 + 5 * i), 10 + i,
+                                   sampled ? 0.8 : 0.0, sampled ? 3 : 1, 1000 + seed * 31 + i));
+  }
+  return requests;
+}
+
+/// The oracle: the same requests through an Engine of `ckpt` run on this thread.
+std::vector<SampleResult> InProcess(const std::vector<Request>& requests,
+                                    const policy::Checkpoint& ckpt = DefaultCheckpoint()) {
+  rollout::Engine engine(ckpt, SmallEngineConfig());
+  return engine.Generate(requests);
+}
+
+void ExpectSameSamples(const std::vector<SampleResult>& got, const std::vector<SampleResult>& want,
+                       PolicyVersion version) {
+  ASSERT_EQ(got.size(), want.size());
+  for (size_t i = 0; i < got.size(); ++i) {
+    SCOPED_TRACE(fmt::format("{}#{}", want[i].request_id, want[i].sample_index));
+    EXPECT_EQ(got[i].request_id, want[i].request_id);
+    EXPECT_EQ(got[i].sample_index, want[i].sample_index);
+    EXPECT_EQ(got[i].output_ids, want[i].output_ids);
+    EXPECT_EQ(got[i].logprobs, want[i].logprobs);  // float32 on the wire: bitwise equal
+    EXPECT_EQ(got[i].finish_reason, want[i].finish_reason);
+    EXPECT_EQ(got[i].num_prompt_tokens, want[i].num_prompt_tokens);
+    EXPECT_EQ(got[i].policy_version, version);
+  }
+}
+
+// ---- Generation --------------------------------------------------------------------------------------
+
+TEST(WorkerServerTest, SeveralClientsOnTwoWorkersGetWhatTheEngineComputesInProcess) {
+  WorkerConfig ipc;
+  ipc.endpoint = IpcEndpoint();
+  WorkerHarness tcp_worker;
+  WorkerHarness ipc_worker(ipc);
+  ASSERT_NE(tcp_worker.endpoint().find("tcp://127.0.0.1:"), std::string::npos);
+  ASSERT_EQ(tcp_worker.endpoint().find('*'), std::string::npos) << "ZMQ_LAST_ENDPOINT names the real port";
+  ASSERT_EQ(ipc_worker.endpoint().rfind("ipc://", 0), 0u);
+
+  constexpr int kNumClients = 4;
+  std::vector<std::vector<Request>> per_client;
+  std::vector<std::vector<SampleResult>> got(kNumClients);
+  std::vector<std::string> failures(kNumClients);
+  for (int k = 0; k < kNumClients; ++k) per_client.push_back(SeededRequests(fmt::format("c{}", k), 5, k));
+  std::vector<std::thread> threads;
+  for (int k = 0; k < kNumClients; ++k) {
+    threads.emplace_back([&, k] {
+      try {  // one Client per thread
+        auto client = Connect(k % 2 == 0 ? tcp_worker.endpoint() : ipc_worker.endpoint());
+        got[k] = client->Generate(per_client[k]);
+      } catch (const std::exception& e) {
+        failures[k] = e.what();
+      }
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  for (int k = 0; k < kNumClients; ++k) {
+    SCOPED_TRACE(fmt::format("client {}", k));
+    ASSERT_EQ(failures[k], "");
+    ExpectSameSamples(got[k], InProcess(per_client[k]), 0);
+  }
+}
+
+TEST(WorkerServerTest, StreamsEachSampleAsItFinishes) {
+  WorkerHarness worker;
+  auto client = Connect(worker.endpoint());
+  std::vector<std::string> order;
+  client->Generate({MakeRequest("long", {1, 40, 41}, 150), MakeRequest("short", {1, 50, 51}, 2)},
+                   [&](SampleResult r) { order.push_back(r.request_id); });
+  EXPECT_EQ(order, (std::vector<std::string>{"short", "long"}));
+}
+
+TEST(WorkerServerTest, AcceptedRepliesPrecedeSamplesAndEchoIds) {
+  WorkerHarness worker;
+  auto client = Connect(worker.endpoint());
+  client->Send(GenerateMsg{"my-id", MakeRequest("r", {1, 2, 3}, 3, 0, 2)});
+  const AcceptedMsg accepted = NextAs<AcceptedMsg>(*client);
+  EXPECT_EQ(accepted.id, "my-id");
+  EXPECT_EQ(accepted.request_id, "r");
+  EXPECT_EQ(accepted.policy_version, 0u);
+  std::set<int> indices;
+  for (int i = 0; i < 2; ++i) {
+    const SampleMsg s = NextAs<SampleMsg>(*client);
+    EXPECT_EQ(s.id, "my-id");
+    EXPECT_EQ(s.result.request_id, "r");
+    EXPECT_EQ(s.result.output_ids.size(), 3u);
+    EXPECT_EQ(s.result.finish_reason, FinishReason::kLength);
+    indices.insert(s.result.sample_index);
+  }
+  EXPECT_EQ(indices, (std::set<int>{0, 1}));
+}
+
+// ---- Bad input ---------------------------------------------------------------------------------------
+
+struct SocketCase {
+  std::string name;
+  std::vector<std::string> frames;
+  ErrorCode code;
+  std::string field;
+};
+
+Value BeginHeader(const std::string& update_id, uint64_t version, std::vector<Value> tensors) {
+  Value h = Header("update_begin", "b-" + update_id);
+  h.Set("update_id", Value::Str(update_id)).Set("version", Value::Uint(version)).Set("partial", Value::Bool(true));
+  h.Set("tensors", Value::Array(std::move(tensors)));
+  return h;
+}
+
+Value TensorEntry(const std::string& name, std::vector<int64_t> shape, uint64_t num_bytes,
+                  const std::string& dtype = "float32", uint64_t checksum = 0) {
+  return Value::Map({{"name", Value::Str(name)},
+                     {"dtype", Value::Str(dtype)},
+                     {"shape", Value::Ints(shape)},
+                     {"num_bytes", Value::Uint(num_bytes)},
+                     {"checksum", Value::Uint(checksum)}});
+}
+
+std::vector<SocketCase> SocketCases(int64_t max_message_bytes) {
+  std::vector<SocketCase> cases;
+  auto one = [&](std::string name, const Value& v, ErrorCode code, std::string field) {
+    cases.push_back({std::move(name), {v.Bytes()}, code, std::move(field)});
+  };
+  // Decoder classes (protocol_test.cc has the full table).
+  cases.push_back({"malformed msgpack", {"\xc1\x00\xff"}, ErrorCode::kBadMessage, ""});
+  one("not a map", Value::Ints({1}), ErrorCode::kBadMessage, "");
+  one("wrong version", Header("health").Set("v", Value::Int(7)), ErrorCode::kBadVersion, "v");
+  one("unknown type", Header("teleport"), ErrorCode::kUnknownType, "type");
+  one("missing field", GenerateHeader("r").Erase("prompt"), ErrorCode::kBadField, "prompt");
+  one("wrong type", GenerateHeader("r").Set("prompt", Value::Array({Value::Int(1), Value::Str("x")})),
+      ErrorCode::kBadField, "prompt[1]");
+  one("n = 0", GenerateHeader("r").Set("n", Value::Int(0)), ErrorCode::kBadField, "n");
+  one("n = -1", GenerateHeader("r").Set("n", Value::Int(-1)), ErrorCode::kBadField, "n");
+  Value v = GenerateHeader("r");
+  v.At("sampling").Set("top_p", Value::Double(7.5));
+  one("nonsense top_p", v, ErrorCode::kBadField, "sampling.top_p");
+  v = GenerateHeader("r");
+  v.At("sampling").Set("temperature", Value::Double(-0.5));
+  one("nonsense temperature", v, ErrorCode::kBadField, "sampling.temperature");
+  // Checks that need the model (vocab 259, context 256, max_num_seqs 32).
+  one("token id outside the vocabulary", GenerateHeader("r").Set("prompt", Value::Ints({1, 5, 259})),
+      ErrorCode::kBadField, "prompt[2]");
+  one("negative token id", GenerateHeader("r").Set("prompt", Value::Ints({1, -4})), ErrorCode::kBadField, "prompt[1]");
+  one("prompt as long as the context", GenerateHeader("r").Set("prompt", Value::Ints(std::vector<int64_t>(256, 5))),
+      ErrorCode::kBadField, "prompt");
+  one("huge prompt array", GenerateHeader("r").Set("prompt", Value::Ints(std::vector<int64_t>(100000, 5))),
+      ErrorCode::kBadField, "prompt");
+  one("n over max_num_seqs", GenerateHeader("r").Set("n", Value::Int(33)), ErrorCode::kBadField, "n");
+  v = GenerateHeader("r");
+  v.At("sampling").Set("stop_token_ids", Value::Ints({2, 300}));
+  one("stop token outside the vocabulary", v, ErrorCode::kBadField, "sampling.stop_token_ids[1]");
+  // Frames.
+  cases.push_back({"frame over the limit",
+                   {Header("update_chunk").Set("update_id", Value::Str("u")).Set("name", Value::Str("model.norm.weight"))
+                        .Set("offset", Value::Int(0)).Bytes(),
+                    std::string(static_cast<size_t>(max_message_bytes) * 3 / 2, 'x')},
+                   ErrorCode::kTooLarge, ""});
+  cases.push_back({"header over the limit",
+                   {GenerateHeader("r").Set("prompt", Value::Ints(std::vector<int64_t>(max_message_bytes / 4, 70000)))
+                        .Bytes()},
+                   ErrorCode::kTooLarge, ""});
+  cases.push_back({"extra frame on generate", {GenerateHeader("r").Bytes(), "extra"}, ErrorCode::kBadMessage, ""});
+  cases.push_back({"chunk without its bytes",
+                   {Header("update_chunk").Set("update_id", Value::Str("u")).Set("name", Value::Str("a"))
+                        .Set("offset", Value::Int(0)).Bytes()},
+                   ErrorCode::kBadMessage, ""});
+  // Updates.
+  cases.push_back({"chunk for an unknown update",
+                   {Header("update_chunk").Set("update_id", Value::Str("nope")).Set("name", Value::Str("model.norm.weight"))
+                        .Set("offset", Value::Int(0)).Bytes(),
+                    std::string(16, '\0')},
+                   ErrorCode::kUnknownUpdate, "update_id"});
+  one("commit for an unknown update", Header("update_commit").Set("update_id", Value::Str("nope")),
+      ErrorCode::kUnknownUpdate, "update_id");
+  one("apply for an unknown update", Header("update_apply").Set("update_id", Value::Str("nope")),
+      ErrorCode::kUnknownUpdate, "update_id");
+  one("abort of an unknown update", Header("update_abort").Set("update_id", Value::Str("nope")),
+      ErrorCode::kUnknownUpdate, "update_id");
+  one("update to the version in use", BeginHeader("u", 0, {TensorEntry("model.norm.weight", {64}, 256)}),
+      ErrorCode::kBadField, "version");
+  one("unknown tensor name", BeginHeader("u", 1, {TensorEntry("model.norm.weight", {64}, 256),
+                                                  TensorEntry("model.layers.9.mlp.up_proj.weight", {172, 64}, 44032)}),
+      ErrorCode::kBadField, "tensors[1].name");
+  one("lm_head of a tied model", BeginHeader("u", 1, {TensorEntry("lm_head.weight", {259, 64}, 66304)}),
+      ErrorCode::kBadField, "tensors[0].name");
+  one("wrong shape", BeginHeader("u", 1, {TensorEntry("model.norm.weight", {64}, 256),
+                                          TensorEntry("model.embed_tokens.weight", {64, 259}, 66304)}),
+      ErrorCode::kBadField, "tensors[1].shape");
+  one("num_bytes inconsistent with dtype", BeginHeader("u", 1, {TensorEntry("model.norm.weight", {64}, 256, "bfloat16")}),
+      ErrorCode::kBadField, "tensors[0].num_bytes");
+  one("repeated tensor", BeginHeader("u", 1, {TensorEntry("model.norm.weight", {64}, 256),
+                                              TensorEntry("model.norm.weight", {64}, 256)}),
+      ErrorCode::kBadField, "tensors[1].name");
+  one("missing tensors in a full update", BeginHeader("u", 1, {TensorEntry("model.norm.weight", {64}, 256)})
+                                              .Set("partial", Value::Bool(false)),
+      ErrorCode::kUpdateFailed, "");
+  return cases;
+}
+
+TEST(WorkerServerTest, EveryBadInputGetsItsCodeAndFieldAndTheWorkerKeepsServing) {
+  WorkerConfig config;
+  config.max_message_bytes = int64_t{1} << 20;
+  WorkerHarness worker(config);
+  auto client = Connect(worker.endpoint());
+  for (const SocketCase& c : SocketCases(config.max_message_bytes)) {
+    SCOPED_TRACE(c.name);
+    client->SendFrames(c.frames);
+    const std::optional<WorkerMessage> reply = client->Receive(kReplyWaitMs);
+    ASSERT_TRUE(reply.has_value()) << "no reply";
+    const auto* error = std::get_if<ErrorMsg>(&*reply);
+    ASSERT_NE(error, nullptr) << "got " << TypeName(*reply);
+    EXPECT_EQ(ErrorCodeName(error->code), std::string(ErrorCodeName(c.code))) << error->message;
+    EXPECT_EQ(error->field, c.field) << error->message;
+    EXPECT_FALSE(error->message.empty());
+    const HealthMsg health = client->Health();  // still serving
+    EXPECT_TRUE(health.ok);
+    EXPECT_EQ(health.policy_version, 0u);
+  }
+  const std::vector<Request> good = SeededRequests("after", 3, 9);
+  ExpectSameSamples(client->Generate(good), InProcess(good), 0);
+}
+
+TEST(WorkerServerTest, ErrorsEchoTheRequestId) {
+  WorkerHarness worker;
+  auto client = Connect(worker.endpoint());
+  client->SendFrames({GenerateHeader("r", "echo-me").Set("prompt", Value::Ints({1, 999})).Bytes()});
+  const ErrorMsg e = NextAs<ErrorMsg>(*client);
+  EXPECT_EQ(e.id, "echo-me");
+  EXPECT_EQ(e.field, "prompt[1]");
+  EXPECT_NE(e.message.find("999"), std::string::npos) << e.message;
+  EXPECT_NE(e.message.find("259"), std::string::npos) << e.message;
+}
+
+// ---- Vanishing peers ---------------------------------------------------------------------------------
+
+TEST(WorkerServerTest, AClientDisconnectingMidStreamDoesNotDisturbTheOthers) {
+  WorkerHarness worker;
+  const int64_t finished_before = worker.engine().stats().num_finished_samples;
+  {
+    ClientOptions options;
+    options.linger_ms = 0;
+    auto leaving = Connect(worker.endpoint(), options);
+    leaving->Send(GenerateMsg{"g", MakeRequest("gone", {1, 9, 9, 9}, 120, 0.8, 4, 5)});
+    (void)NextAs<AcceptedMsg>(*leaving);
+  }  // closed with 4 samples in flight
+  auto staying = Connect(worker.endpoint());
+  const std::vector<Request> requests = SeededRequests("stay", 4, 3);
+  ExpectSameSamples(staying->Generate(requests), InProcess(requests), 0);
+  // The gone client's samples still finish (and are dropped): poll until they are counted.
+  int64_t num_samples_stay = 0;
+  for (const Request& r : requests) num_samples_stay += r.n;
+  const auto deadline = Clock::now() + std::chrono::milliseconds(kReplyWaitMs);
+  while (staying->Stats().num_finished_samples < finished_before + 4 + num_samples_stay) {
+    ASSERT_LT(Clock::now(), deadline) << "the vanished client's samples never finished";
+  }
+  EXPECT_TRUE(staying->Health().ok);
+}
+
+/// The default model's weights drawn with another seed, as a new policy.
+const policy::Checkpoint& NewPolicy() {
+  static const policy::Checkpoint ckpt = policy::MakeDefaultCheckpoint(7);
+  return ckpt;
+}
+
+TEST(WorkerServerTest, ATrainerDyingMidUpdateTimesOutAndTheWorkerKeepsItsVersion) {
+  WorkerConfig config;
+  config.update_timeout_ms = 300;
+  WorkerHarness worker(config);
+  const policy::WeightMap& weights = NewPolicy().weights;
+  {
+    ClientOptions options;
+    options.linger_ms = 0;
+    auto dying = Connect(worker.endpoint(), options);
+    UpdateBeginMsg begin;
+    begin.id = "begin";
+    begin.update_id = "doomed";
+    begin.manifest.version = 1;
+    for (const auto& [name, t] : weights) {
+      const size_t bytes = t.data.size() * sizeof(float);
+      begin.manifest.tensors.push_back({name, policy::DType::kF32, t.shape, bytes, policy::TensorChecksum(t.data.data(), bytes)});
+    }
+    dying->Send(begin);
+    EXPECT_EQ(NextAs<UpdateAckMsg>(*dying).stage, UpdateStage::kBegun);
+    int num_sent = 0;
+    for (const auto& [name, t] : weights) {
+      if (num_sent++ == 3) break;
+      dying->Send(UpdateChunkMsg{"chunk", "doomed", name, 0},
+                  {std::string_view(reinterpret_cast<const char*>(t.data.data()), t.data.size() * sizeof(float))});
+    }
+    // The worker has the chunks once it answers a later message on the same connection.
+    EXPECT_EQ(dying->Health().policy_version, 0u);
+  }  // the trainer is gone, its update half staged
+
+  auto client = Connect(worker.endpoint());
+  const std::vector<Request> requests = SeededRequests("during", 2, 4);
+  ExpectSameSamples(client->Generate(requests), InProcess(requests), 0);  // still serving version 0
+
+  // A new trainer is refused (busy) until the worker times the dead update out, then succeeds.
+  auto trainer = Connect(worker.endpoint());
+  const auto deadline = Clock::now() + std::chrono::milliseconds(kReplyWaitMs);
+  std::optional<UpdateAckMsg> ack;
+  int num_busy = 0;
+  while (!ack) {
+    try {
+      ack = trainer->PushWeights(weights, 1);
+    } catch (const WorkerError& e) {
+      ASSERT_EQ(e.code(), ErrorCode::kBusy) << e.what();
+      ++num_busy;
+      ASSERT_LT(Clock::now(), deadline) << "the dead trainer's update was never timed out";
+    }
+  }
+  EXPECT_GT(num_busy, 0) << "the dead update should have held the worker for update_timeout_ms";
+  EXPECT_EQ(ack->stage, UpdateStage::kApplied);
+  EXPECT_EQ(ack->version, 1u);
+  EXPECT_EQ(ack->weights_checksum, policy::WeightsChecksum(weights));
+  // The dead update is gone for good.
+  client->Send(UpdateCommitMsg{"late", "doomed", true});
+  EXPECT_EQ(NextAs<ErrorMsg>(*client).code, ErrorCode::kUnknownUpdate);
+  ExpectSameSamples(client->Generate(requests), InProcess(requests, NewPolicy()), 1);
+}
+
+// ---- Weight updates ----------------------------------------------------------------------------------
+
+TEST(WorkerServerTest, AWeightPushIsAcknowledgedWithItsChecksumAndNextSamplesCarryItsVersion) {
+  WorkerHarness worker;
+  auto trainer = Connect(worker.endpoint());
+  auto client = Connect(worker.endpoint());
+  PushOptions options;
+  options.chunk_bytes = 1000;  // many chunks, some splitting a float
+  const UpdateAckMsg ack = trainer->PushWeights(NewPolicy().weights, 3, options);
+  EXPECT_EQ(ack.stage, UpdateStage::kApplied);
+  EXPECT_EQ(ack.version, 3u);
+  EXPECT_EQ(ack.weights_checksum, policy::WeightsChecksum(NewPolicy().weights));
+  EXPECT_NE(ack.weights_checksum, policy::WeightsChecksum(DefaultCheckpoint().weights));
+  const std::vector<Request> requests = SeededRequests("v3", 4, 5);
+  ExpectSameSamples(client->Generate(requests), InProcess(requests, NewPolicy()), 3);
+  EXPECT_EQ(client->Health().policy_version, 3u);
+  EXPECT_EQ(client->Stats().policy_version, 3u);
+}
+
+/// bfloat16 bytes of `weights` (the upper half of each float) and the fp32 values they stand for.
+struct Bf16Weights {
+  std::map<std::string, std::vector<uint16_t>> bits;
+  policy::WeightMap as_fp32;
+};
+
+Bf16Weights ToBf16(const policy::WeightMap& weights) {
+  Bf16Weights out;
+  for (const auto& [name, t] : weights) {
+    std::vector<uint16_t>& bits = out.bits[name];
+    policy::HostTensor& f = out.as_fp32[name];
+    f.shape = t.shape;
+    for (float v : t.data) {
+      uint32_t u;
+      std::memcpy(&u, &v, sizeof(u));
+      bits.push_back(static_cast<uint16_t>(u >> 16));
+      f.data.push_back(policy::BFloat16ToFloat(bits.back()));
+    }
+  }
+  return out;
+}
+
+TEST(WorkerServerTest, TwoPhasePushToTwoWorkersInBfloat16) {
+  WorkerConfig ipc;
+  ipc.endpoint = IpcEndpoint();
+  WorkerHarness a;
+  WorkerHarness b(ipc);
+  const Bf16Weights bf16 = ToBf16(NewPolicy().weights);
+  std::vector<TensorBytes> tensors;
+  for (const auto& [name, bits] : bf16.bits) {
+    tensors.push_back({name, policy::DType::kBF16, NewPolicy().weights.at(name).shape, bits.data(), bits.size() * 2});
+  }
+  PushOptions options;
+  options.apply = false;
+  options.update_id = "two-phase";
+  auto to_a = Connect(a.endpoint());
+  auto to_b = Connect(b.endpoint());
+  for (Client* c : {to_a.get(), to_b.get()}) {
+    const UpdateAckMsg verified = c->PushWeights(tensors, 2, options);
+    EXPECT_EQ(verified.stage, UpdateStage::kVerified);
+    EXPECT_EQ(verified.version, 0u);  // nothing applied yet
+  }
+  EXPECT_EQ(to_a->Generate({MakeRequest("between", {1, 2}, 2)})[0].policy_version, 0u);
+  for (Client* c : {to_a.get(), to_b.get()}) {
+    const UpdateAckMsg applied = c->ApplyUpdate("two-phase");
+    EXPECT_EQ(applied.stage, UpdateStage::kApplied);
+    EXPECT_EQ(applied.version, 2u);
+    EXPECT_EQ(applied.weights_checksum, policy::WeightsChecksum(bf16.as_fp32));
+  }
+  const std::vector<Request> requests = SeededRequests("bf16", 3, 6);
+  policy::Checkpoint expected{NewPolicy().config, bf16.as_fp32};
+  ExpectSameSamples(to_b->Generate(requests), InProcess(requests, expected), 2);
+}
+
+TEST(WorkerServerTest, PipelinedBeginChunksAndCommitWithoutWaiting) {
+  WorkerHarness worker;
+  auto trainer = Connect(worker.endpoint());
+  std::vector<float> norm(64);
+  for (size_t i = 0; i < norm.size(); ++i) norm[i] = 0.5f + 0.01f * static_cast<float>(i);
+  const char* bytes = reinterpret_cast<const char*>(norm.data());
+  UpdateBeginMsg begin;
+  begin.id = "b";
+  begin.update_id = "piped";
+  begin.mode = rollout::InFlightMode::kAbort;
+  begin.manifest.version = 5;
+  begin.manifest.partial = true;
+  begin.manifest.tensors = {{"model.norm.weight", policy::DType::kF32, {64}, 256, policy::TensorChecksum(bytes, 256)}};
+  trainer->Send(begin);
+  trainer->Send(UpdateChunkMsg{"c1", "piped", "model.norm.weight", 130}, {std::string_view(bytes + 130, 126)});
+  trainer->Send(UpdateChunkMsg{"c0", "piped", "model.norm.weight", 0}, {std::string_view(bytes, 130)});
+  trainer->Send(UpdateCommitMsg{"commit", "piped", true});
+  EXPECT_EQ(NextAs<UpdateAckMsg>(*trainer).stage, UpdateStage::kBegun);
+  const UpdateAckMsg applied = NextAs<UpdateAckMsg>(*trainer);
+  EXPECT_EQ(applied.id, "commit");
+  EXPECT_EQ(applied.stage, UpdateStage::kApplied);
+  EXPECT_EQ(applied.version, 5u);
+  policy::WeightMap expected = DefaultCheckpoint().weights;
+  expected.at("model.norm.weight").data = norm;
+  EXPECT_EQ(applied.weights_checksum, policy::WeightsChecksum(expected));
+}
+
+TEST(WorkerServerTest, APoisonedUpdateRefusesLaterMessagesWithTheSameCauseUntilAborted) {
+  WorkerHarness worker;
+  auto trainer = Connect(worker.endpoint());
+  std::vector<float> norm(64, 1.0f);
+  const char* bytes = reinterpret_cast<const char*>(norm.data());
+  trainer->SendFrames({BeginHeader("bad", 1, {TensorEntry("model.norm.weight", {64}, 256, "float32",
+                                                          policy::TensorChecksum(bytes, 256))}).Bytes()});
+  EXPECT_EQ(NextAs<UpdateAckMsg>(*trainer).stage, UpdateStage::kBegun);
+  trainer->Send(UpdateChunkMsg{"c", "bad", "model.norm.weight", 250}, {std::string_view(bytes, 10)});
+  const ErrorMsg poisoned = NextAs<ErrorMsg>(*trainer);
+  EXPECT_EQ(poisoned.code, ErrorCode::kUpdateFailed);
+  EXPECT_NE(poisoned.message.find("model.norm.weight"), std::string::npos) << poisoned.message;
+  trainer->Send(UpdateCommitMsg{"commit", "bad", true});
+  const ErrorMsg again = NextAs<ErrorMsg>(*trainer);
+  EXPECT_EQ(again.code, ErrorCode::kUpdateFailed);
+  EXPECT_EQ(again.message, poisoned.message);
+  const UpdateAckMsg aborted = trainer->AbortUpdate("bad");
+  EXPECT_EQ(aborted.stage, UpdateStage::kAborted);
+  EXPECT_EQ(aborted.version, 0u);
+  EXPECT_EQ(trainer->Health().policy_version, 0u);
+  EXPECT_EQ(trainer->PushWeights(NewPolicy().weights, 1).version, 1u);  // a new update works
+}
+
+TEST(WorkerServerTest, ASecondUpdateWhileOneIsOpenIsBusy) {
+  WorkerHarness worker;
+  auto first = Connect(worker.endpoint());
+  auto second = Connect(worker.endpoint());
+  first->SendFrames({BeginHeader("one", 1, {TensorEntry("model.norm.weight", {64}, 256)}).Bytes()});
+  EXPECT_EQ(NextAs<UpdateAckMsg>(*first).stage, UpdateStage::kBegun);
+  try {
+    (void)second->PushWeights(NewPolicy().weights, 2);
+    FAIL() << "a second update was accepted while one is open";
+  } catch (const WorkerError& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kBusy);
+  }
+  EXPECT_EQ(first->AbortUpdate("one").stage, UpdateStage::kAborted);
+  EXPECT_EQ(second->PushWeights(NewPolicy().weights, 2).version, 2u);
+}
+
+// ---- Backpressure and control ------------------------------------------------------------------------
+
+TEST(WorkerServerTest, BeyondMaxPendingRequestsTheWorkerAnswersOverloaded) {
+  rollout::EngineConfig engine = SmallEngineConfig();
+  engine.max_pending_requests = 2;
+  WorkerHarness worker(WorkerConfig{}, engine);
+  auto client = Connect(worker.endpoint());
+  client->Pause();  // nothing finishes: the pending count only grows
+  client->Send(GenerateMsg{"g1", MakeRequest("r1", {1, 2}, 3)});
+  EXPECT_EQ(NextAs<AcceptedMsg>(*client).request_id, "r1");
+  client->Send(GenerateMsg{"dup", MakeRequest("r1", {1, 2}, 3)});
+  const ErrorMsg dup = NextAs<ErrorMsg>(*client);
+  EXPECT_EQ(dup.code, ErrorCode::kBadField);
+  EXPECT_EQ(dup.field, "request_id");
+  client->Send(GenerateMsg{"g2", MakeRequest("r2", {1, 2}, 3)});
+  EXPECT_EQ(NextAs<AcceptedMsg>(*client).request_id, "r2");
+  client->Send(GenerateMsg{"g3", MakeRequest("r3", {1, 2}, 3)});
+  const ErrorMsg overloaded = NextAs<ErrorMsg>(*client);
+  EXPECT_EQ(overloaded.id, "g3");
+  EXPECT_EQ(overloaded.code, ErrorCode::kOverloaded);
+  client->Resume();
+  std::set<std::string> done;
+  for (int i = 0; i < 2; ++i) done.insert(NextAs<SampleMsg>(*client).result.request_id);
+  EXPECT_EQ(done, (std::set<std::string>{"r1", "r2"}));
+  EXPECT_EQ(client->Generate({MakeRequest("r3", {1, 2}, 3)}).size(), 1u);  // room again
+}
+
+TEST(WorkerServerTest, AbortEndsUnfinishedSamples) {
+  WorkerHarness worker;
+  auto client = Connect(worker.endpoint());
+  client->Pause();
+  client->Send(GenerateMsg{"g", MakeRequest("stuck", {1, 2, 3}, 50, 0, 2)});
+  (void)NextAs<AcceptedMsg>(*client);
+  client->Send(AbortMsg{"a", "stuck"});
+  EXPECT_EQ(NextAs<AbortAckMsg>(*client).request_id, "stuck");
+  for (int i = 0; i < 2; ++i) EXPECT_EQ(NextAs<SampleMsg>(*client).result.finish_reason, FinishReason::kAborted);
+  client->Resume();
+}
+
+TEST(WorkerServerTest, HealthAndStatsDescribeTheEngine) {
+  WorkerHarness worker;
+  auto client = Connect(worker.endpoint());
+  (void)client->Generate({MakeRequest("warm", {1, 2, 3}, 5)});
+  client->FlushCache();
+  const HealthMsg h = client->Health();
+  EXPECT_TRUE(h.ok);
+  EXPECT_EQ(h.protocol_version, 1);
+  EXPECT_EQ(h.model.vocab_size, 259);
+  EXPECT_EQ(h.model.max_seq_len, 256);
+  EXPECT_EQ(h.model.dim, 64);
+  EXPECT_EQ(h.model.n_layers, 4);
+  const rollout::EngineStats s = client->Stats();
+  EXPECT_EQ(s.num_blocks, worker.engine().stats().num_blocks);
+  EXPECT_GE(s.num_generated_tokens, 5);
+  EXPECT_GE(s.num_finished_samples, 1);
+}
+
+TEST(WorkerServerTest, ShutdownAbortsUnfinishedSamplesDeliversThemAndStopsRun) {
+  WorkerHarness worker;
+  auto client = Connect(worker.endpoint());
+  auto trainer = Connect(worker.endpoint());
+  trainer->Pause();
+  client->Send(GenerateMsg{"g", MakeRequest("late", {1, 2, 3}, 50, 0, 2)});
+  (void)NextAs<AcceptedMsg>(*client);
+  trainer->Shutdown();
+  for (int i = 0; i < 2; ++i) EXPECT_EQ(NextAs<SampleMsg>(*client).result.finish_reason, FinishReason::kAborted);
+  worker.Join();  // Run returned on its own
+}
+
+// ---- Security ----------------------------------------------------------------------------------------
+
+TEST(WorkerServerTest, CurveLetsOnlyAllowedKeysInAndOnlyTrainersUpdate) {
+  const CurveKeyPair server = GenerateCurveKeyPair();
+  const CurveKeyPair trainer_keys = GenerateCurveKeyPair();
+  const CurveKeyPair client_keys = GenerateCurveKeyPair();
+  const CurveKeyPair stranger_keys = GenerateCurveKeyPair();
+  WorkerConfig config;
+  config.curve.secret_key = server.secret_key;
+  config.curve.trainer_keys = {trainer_keys.public_key};
+  config.curve.client_keys = {client_keys.public_key};
+  WorkerHarness worker(config);
+  auto options = [&](const CurveKeyPair& keys) {
+    ClientOptions o;
+    o.curve_server_key = server.public_key;
+    o.curve_public_key = keys.public_key;
+    o.curve_secret_key = keys.secret_key;
+    o.linger_ms = 0;
+    return o;
+  };
+
+  // Unknown key, and no CURVE at all: the connection never carries a message.
+  ClientOptions no_curve;
+  no_curve.linger_ms = 0;
+  for (const ClientOptions& opts : {options(stranger_keys), no_curve}) {
+    auto outsider = Connect(worker.endpoint(), opts);
+    outsider->Send(ControlMsg{"h", ControlKind::kHealth});
+    EXPECT_FALSE(outsider->Receive(kNoReplyWaitMs).has_value()) << "an outsider got a reply";
+  }
+
+  auto client = Connect(worker.endpoint(), options(client_keys));
+  EXPECT_TRUE(client->Health().ok);
+  const std::vector<Request> requests = SeededRequests("curve", 2, 8);
+  ExpectSameSamples(client->Generate(requests), InProcess(requests), 0);
+  auto expect_unauthorized = [&](const std::function<void()>& call, const char* what) {
+    try {
+      call();
+      ADD_FAILURE() << what << " was allowed with a client key";
+    } catch (const WorkerError& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kUnauthorized) << what << ": " << e.what();
+    }
+  };
+  expect_unauthorized([&] { (void)client->PushWeights(NewPolicy().weights, 1); }, "update_begin");
+  expect_unauthorized([&] { client->Pause(); }, "pause");
+  expect_unauthorized([&] { client->FlushCache(); }, "flush_cache");
+  expect_unauthorized([&] { client->Shutdown(); }, "shutdown");
+
+  auto trainer = Connect(worker.endpoint(), options(trainer_keys));
+  const UpdateAckMsg ack = trainer->PushWeights(NewPolicy().weights, 1);
+  EXPECT_EQ(ack.version, 1u);
+  EXPECT_EQ(ack.weights_checksum, policy::WeightsChecksum(NewPolicy().weights));
+  EXPECT_EQ(client->Generate({MakeRequest("after", {1, 2}, 2)})[0].policy_version, 1u);
+}
+
+// ---- Config and keys ---------------------------------------------------------------------------------
+
+TEST(WorkerServerTest, ConfigValidateNamesTheField) {
+  auto message = [](const WorkerConfig& c) {
+    try {
+      c.Validate();
+    } catch (const policy::ConfigError& e) {
+      return std::string(e.what());
+    }
+    return std::string("(valid)");
+  };
+  WorkerConfig c;
+  EXPECT_EQ(message(c), "(valid)");
+  c.max_message_bytes = 0;
+  EXPECT_NE(message(c).find("max_message_bytes"), std::string::npos);
+  c = WorkerConfig{};
+  c.update_timeout_ms = -1;
+  EXPECT_NE(message(c).find("update_timeout_ms"), std::string::npos);
+  c = WorkerConfig{};
+  c.curve.secret_key = "short";
+  EXPECT_NE(message(c).find("curve.secret_key"), std::string::npos);
+  c.curve.secret_key = GenerateCurveKeyPair().secret_key;
+  EXPECT_NE(message(c).find("both empty"), std::string::npos);
+  c.curve.client_keys = {"not a key"};
+  EXPECT_NE(message(c).find("curve.client_keys[0]"), std::string::npos);
+  rollout::Engine engine(DefaultCheckpoint(), SmallEngineConfig());
+  WorkerConfig taken;
+  taken.endpoint = "tcp://127.0.0.1:*";
+  WorkerServer first(engine, taken);
+  taken.endpoint = first.endpoint();
+  EXPECT_THROW(WorkerServer(engine, taken), TransportError);  // the port is in use
+}
+
+TEST(WorkerServerTest, KeyFilesRoundTripAndBadKeysNameTheLine) {
+  const std::string dir = ::testing::TempDir();
+  const CurveKeyPair keys = GenerateCurveKeyPair();
+  EXPECT_EQ(CurvePublicKey(keys.secret_key), keys.public_key);
+  WriteCurveKeyFile(dir + "/k.key", keys.secret_key, true);
+  EXPECT_EQ(ReadCurveKeyFile(dir + "/k.key"), keys.secret_key);
+  const CurveKeyPair other = GenerateCurveKeyPair();
+  {
+    std::ofstream list(dir + "/allow.txt");
+    list << "# trainers\n\n" << keys.public_key << "  # trainer-0\n" << other.public_key << "\n";
+  }
+  EXPECT_EQ(ReadCurveKeyListFile(dir + "/allow.txt"), (std::vector<std::string>{keys.public_key, other.public_key}));
+  {
+    std::ofstream list(dir + "/bad.txt");
+    list << keys.public_key << "\nnot-a-key\n";
+  }
+  try {
+    (void)ReadCurveKeyListFile(dir + "/bad.txt");
+    FAIL() << "a bad key was read";
+  } catch (const TransportError& e) {
+    EXPECT_NE(std::string(e.what()).find("bad.txt:2"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW((void)ReadCurveKeyFile(dir + "/missing.key"), TransportError);
+}
+
+}  // namespace
+}  // namespace vroll::transport

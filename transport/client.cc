@@ -1,0 +1,375 @@
+#include "transport/client.h"
+
+#include <algorithm>
+#include <chrono>
+#include <limits>
+#include <random>
+#include <tuple>
+#include <unordered_map>
+
+#include <fmt/format.h>
+#include <zmq.hpp>
+
+#include "policy/logging.h"
+
+namespace vroll::transport {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+std::string Describe(const ErrorMsg& e) {
+  return fmt::format("worker error {}{}{}: {}", ErrorCodeName(e.code), e.field.empty() ? "" : " in ",
+                     e.field, e.message);
+}
+
+template <class Reply>
+Reply Expect(WorkerMessage message, const char* what) {
+  if (auto* reply = std::get_if<Reply>(&message)) return std::move(*reply);
+  throw TransportError(fmt::format("unexpected {} reply to {}", TypeName(message), what));
+}
+
+}  // namespace
+
+WorkerError::WorkerError(ErrorMsg error) : TransportError(Describe(error)), error_(std::move(error)) {}
+
+struct Client::Impl {
+  zmq::context_t context{1};
+  std::optional<zmq::socket_t> socket;
+  ClientOptions options;
+  uint64_t num_ids = 0;
+};
+
+Client::Client() : impl_(std::make_unique<Impl>()) {}
+
+Client::~Client() { Close(); }
+
+void Client::Connect(const std::string& endpoint, const ClientOptions& options) {
+  if (impl_->socket) throw TransportError(fmt::format("client already connected to {}", endpoint_));
+  if (options.timeout_ms <= 0) throw TransportError(fmt::format("timeout_ms = {} must be > 0", options.timeout_ms));
+  zmq::socket_t socket(impl_->context, zmq::socket_type::dealer);
+  socket.set(zmq::sockopt::linger, options.linger_ms);
+  socket.set(zmq::sockopt::sndtimeo, static_cast<int>(std::min<int64_t>(options.timeout_ms, std::numeric_limits<int32_t>::max())));
+  if (!options.curve_server_key.empty()) {
+    CheckZ85Key(options.curve_server_key, "curve_server_key");
+    CheckZ85Key(options.curve_public_key, "curve_public_key");
+    CheckZ85Key(options.curve_secret_key, "curve_secret_key");
+    const std::pair<int, const std::string*> keys[] = {{ZMQ_CURVE_SERVERKEY, &options.curve_server_key},
+                                                        {ZMQ_CURVE_PUBLICKEY, &options.curve_public_key},
+                                                        {ZMQ_CURVE_SECRETKEY, &options.curve_secret_key}};
+    for (const auto& [option, key] : keys) {
+      if (zmq_setsockopt(socket.handle(), option, key->c_str(), 41) != 0) {
+        throw TransportError(fmt::format("cannot set a CURVE key: {}", zmq_strerror(zmq_errno())));
+      }
+    }
+  }
+  try {
+    socket.connect(endpoint);
+  } catch (const zmq::error_t& e) {
+    throw TransportError(fmt::format("cannot connect to {}: {}", endpoint, e.what()));
+  }
+  impl_->socket = std::move(socket);
+  impl_->options = options;
+  endpoint_ = endpoint;
+}
+
+void Client::Close() {
+  if (impl_->socket) impl_->socket->close();
+  impl_->socket.reset();
+  endpoint_.clear();
+}
+
+std::string Client::NextId(const char* prefix) { return fmt::format("{}{}", prefix, ++impl_->num_ids); }
+
+// ---- Low level ---------------------------------------------------------------------------------------
+
+void Client::SendFrames(const std::vector<std::string>& frames) {
+  if (!impl_->socket) throw TransportError("client is not connected");
+  for (size_t i = 0; i < frames.size(); ++i) {
+    const auto flags = i + 1 < frames.size() ? zmq::send_flags::sndmore : zmq::send_flags::none;
+    std::optional<size_t> sent;
+    try {
+      sent = impl_->socket->send(zmq::buffer(frames[i]), flags);
+    } catch (const zmq::error_t& e) {
+      throw TransportError(fmt::format("send to {} failed: {}", endpoint_, e.what()));
+    }
+    if (!sent) {
+      throw TransportError(fmt::format("send to {} timed out after {} ms (queue full: is the worker up?)", endpoint_,
+                                       impl_->options.timeout_ms));
+    }
+  }
+}
+
+void Client::Send(const ClientMessage& message, const std::vector<std::string_view>& payload) {
+  if (!impl_->socket) throw TransportError("client is not connected");
+  const std::string header = EncodeClientMessage(message);
+  const size_t num_frames = 1 + payload.size();
+  for (size_t i = 0; i < num_frames; ++i) {
+    const auto flags = i + 1 < num_frames ? zmq::send_flags::sndmore : zmq::send_flags::none;
+    const std::string_view bytes = i == 0 ? std::string_view(header) : payload[i - 1];
+    std::optional<size_t> sent;
+    try {
+      // message_t copies the bytes: the caller's buffer may go away as soon as Send returns.
+      sent = impl_->socket->send(zmq::message_t(bytes.data(), bytes.size()), flags);
+    } catch (const zmq::error_t& e) {
+      throw TransportError(fmt::format("send to {} failed: {}", endpoint_, e.what()));
+    }
+    if (!sent) {
+      throw TransportError(fmt::format("send to {} timed out after {} ms (queue full: is the worker up?)", endpoint_,
+                                       impl_->options.timeout_ms));
+    }
+  }
+}
+
+std::optional<WorkerMessage> Client::Receive(int64_t timeout_ms) {
+  if (!impl_->socket) throw TransportError("client is not connected");
+  zmq::socket_t& socket = *impl_->socket;
+  const Clock::time_point deadline = Clock::now() + std::chrono::milliseconds(timeout_ms);
+  while (true) {
+    zmq::message_t header;
+    std::optional<size_t> got = socket.recv(header, zmq::recv_flags::dontwait);
+    if (got) {
+      bool more = header.more();
+      while (more) {  // replies carry no payload frames; drain any to stay in step
+        zmq::message_t extra;
+        (void)socket.recv(extra, zmq::recv_flags::none);
+        more = extra.more();
+      }
+      Decoded<WorkerMessage> decoded = DecodeWorkerMessage(header.data(), header.size());
+      if (!decoded.ok()) {
+        throw TransportError(fmt::format("undecodable reply from {}: {}", endpoint_, decoded.error.message));
+      }
+      return std::move(decoded.message);
+    }
+    const int64_t left =
+        std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
+    if (left <= 0) return std::nullopt;
+    zmq_pollitem_t item = {socket.handle(), 0, ZMQ_POLLIN, 0};
+    if (zmq_poll(&item, 1, static_cast<long>(left)) < 0 && zmq_errno() != EINTR) {
+      throw TransportError(fmt::format("poll on {} failed: {}", endpoint_, zmq_strerror(zmq_errno())));
+    }
+  }
+}
+
+WorkerMessage Client::WaitFor(const std::string& id) {
+  while (true) {
+    std::optional<WorkerMessage> reply = Receive(impl_->options.timeout_ms);
+    if (!reply) {
+      throw TransportError(fmt::format("no reply to message '{}' from {} within {} ms", id, endpoint_,
+                                       impl_->options.timeout_ms));
+    }
+    if (MessageId(*reply) != id) {
+      Logger("transport").debug("client: skipping a {} reply for '{}'", TypeName(*reply), MessageId(*reply));
+      continue;
+    }
+    if (auto* error = std::get_if<ErrorMsg>(&*reply)) throw WorkerError(std::move(*error));
+    return std::move(*reply);
+  }
+}
+
+// ---- Generation --------------------------------------------------------------------------------------
+
+void Client::Generate(const std::vector<rollout::Request>& requests,
+                      const std::function<void(rollout::SampleResult)>& on_sample) {
+  struct Pending {
+    int n = 0;
+    int num_received = 0;
+    bool settled = false;  // accepted or refused
+  };
+  std::unordered_map<std::string, Pending> pending;  // by generate message id
+  for (const rollout::Request& r : requests) {
+    const std::string id = NextId("g");
+    Send(GenerateMsg{id, r});
+    pending[id].n = r.n;
+  }
+  size_t num_unsettled = requests.size();
+  int64_t num_outstanding = 0;  // samples of accepted requests not received yet
+  std::optional<ErrorMsg> first_error;
+  while (num_unsettled > 0 || num_outstanding > 0) {
+    std::optional<WorkerMessage> reply = Receive(impl_->options.timeout_ms);
+    if (!reply) {
+      throw TransportError(fmt::format("generate: no reply from {} within {} ms ({} requests unanswered, {} samples "
+                                       "outstanding)", endpoint_, impl_->options.timeout_ms, num_unsettled,
+                                       num_outstanding));
+    }
+    auto it = pending.find(MessageId(*reply));
+    if (it == pending.end()) {
+      Logger("transport").debug("client: skipping a {} reply for '{}'", TypeName(*reply), MessageId(*reply));
+      continue;
+    }
+    Pending& p = it->second;
+    if (std::holds_alternative<AcceptedMsg>(*reply) && !p.settled) {
+      p.settled = true;
+      --num_unsettled;
+      num_outstanding += p.n - p.num_received;
+    } else if (auto* error = std::get_if<ErrorMsg>(&*reply); error && !p.settled) {
+      p.settled = true;
+      --num_unsettled;
+      if (!first_error) first_error = std::move(*error);
+    } else if (auto* sample = std::get_if<SampleMsg>(&*reply)) {
+      ++p.num_received;
+      if (p.settled) --num_outstanding;
+      on_sample(std::move(sample->result));
+    }
+  }
+  if (first_error) throw WorkerError(std::move(*first_error));
+}
+
+std::vector<rollout::SampleResult> Client::Generate(const std::vector<rollout::Request>& requests) {
+  std::vector<rollout::SampleResult> results;
+  Generate(requests, [&](rollout::SampleResult r) { results.push_back(std::move(r)); });
+  std::sort(results.begin(), results.end(), [](const rollout::SampleResult& a, const rollout::SampleResult& b) {
+    return std::tie(a.request_id, a.sample_index) < std::tie(b.request_id, b.sample_index);
+  });
+  return results;
+}
+
+void Client::Abort(const std::string& request_id) {
+  const std::string id = NextId("a");
+  Send(AbortMsg{id, request_id});
+  (void)WaitFor(id);
+}
+
+// ---- Weight updates ----------------------------------------------------------------------------------
+
+namespace {
+
+/// Waits for the reply to `id` within an update whose message ids all start with `prefix`; an
+/// error reply to any of them (a poisoned chunk) throws WorkerError.
+UpdateAckMsg WaitForUpdateAck(Client& client, const std::string& prefix, const std::string& id, int64_t timeout_ms) {
+  while (true) {
+    std::optional<WorkerMessage> reply = client.Receive(timeout_ms);
+    if (!reply) {
+      throw TransportError(fmt::format("no reply to '{}' from {} within {} ms", id, client.endpoint(), timeout_ms));
+    }
+    const std::string& reply_id = MessageId(*reply);
+    if (auto* error = std::get_if<ErrorMsg>(&*reply); error && reply_id.rfind(prefix, 0) == 0) {
+      throw WorkerError(std::move(*error));
+    }
+    if (reply_id != id) continue;
+    if (auto* ack = std::get_if<UpdateAckMsg>(&*reply)) return std::move(*ack);
+    throw TransportError(fmt::format("unexpected {} reply to '{}'", TypeName(*reply), id));
+  }
+}
+
+}  // namespace
+
+UpdateAckMsg Client::PushWeights(const std::vector<TensorBytes>& tensors, PolicyVersion version,
+                                 const PushOptions& options) {
+  if (options.chunk_bytes == 0) throw TransportError("chunk_bytes must be > 0");
+  std::string update_id = options.update_id;
+  if (update_id.empty()) {
+    std::random_device rd;
+    update_id = fmt::format("v{}-{:08x}{:08x}", version, rd(), rd());
+  }
+  const std::string prefix = update_id + "/";
+  const int64_t timeout_ms = impl_->options.timeout_ms;
+
+  UpdateBeginMsg begin;
+  begin.id = prefix + "begin";
+  begin.update_id = update_id;
+  begin.mode = options.mode;
+  begin.manifest.version = version;
+  begin.manifest.partial = options.partial;
+  for (const TensorBytes& t : tensors) {
+    if (t.data == nullptr && t.num_bytes > 0) throw TransportError(fmt::format("tensor {} has no data", t.name));
+    begin.manifest.tensors.push_back(
+        {t.name, t.dtype, t.shape, t.num_bytes, policy::TensorChecksum(t.data, t.num_bytes)});
+  }
+  Send(begin);
+  (void)WaitForUpdateAck(*this, prefix, begin.id, timeout_ms);  // "begun"; refusals throw, nothing to abort
+
+  try {
+    uint64_t num_chunks = 0;
+    for (const TensorBytes& t : tensors) {
+      const char* bytes = static_cast<const char*>(t.data);
+      for (size_t offset = 0; offset < t.num_bytes; offset += options.chunk_bytes) {
+        const size_t len = std::min(options.chunk_bytes, t.num_bytes - offset);
+        Send(UpdateChunkMsg{fmt::format("{}chunk{}", prefix, num_chunks++), update_id, t.name, offset},
+             {std::string_view(bytes + offset, len)});
+        // A poisoned chunk answers at once: stop sending the rest.
+        while (std::optional<WorkerMessage> reply = Receive(0)) {
+          if (auto* error = std::get_if<ErrorMsg>(&*reply); error && MessageId(*reply).rfind(prefix, 0) == 0) {
+            throw WorkerError(std::move(*error));
+          }
+        }
+      }
+    }
+    UpdateCommitMsg commit{prefix + "commit", update_id, options.apply};
+    Send(commit);
+    return WaitForUpdateAck(*this, prefix, commit.id, timeout_ms);
+  } catch (const WorkerError&) {
+    // Free the worker now rather than after its update timeout; the abort may itself be refused
+    // (the update is already gone): either way the original error is what the caller needs.
+    try {
+      const std::string abort_id = prefix + "abort";
+      Send(UpdateAbortMsg{abort_id, update_id});
+      while (std::optional<WorkerMessage> reply = Receive(timeout_ms)) {
+        if (MessageId(*reply) == abort_id) break;
+      }
+    } catch (const TransportError&) {
+    }
+    throw;
+  }
+}
+
+UpdateAckMsg Client::PushWeights(const policy::WeightMap& weights, PolicyVersion version, const PushOptions& options) {
+  std::vector<TensorBytes> tensors;
+  tensors.reserve(weights.size());
+  for (const auto& [name, tensor] : weights) {
+    tensors.push_back({name, policy::DType::kF32, tensor.shape, tensor.data.data(), tensor.data.size() * sizeof(float)});
+  }
+  return PushWeights(tensors, version, options);
+}
+
+UpdateAckMsg Client::ApplyUpdate(const std::string& update_id) {
+  const std::string id = NextId("apply");
+  Send(UpdateApplyMsg{id, update_id});
+  return Expect<UpdateAckMsg>(WaitFor(id), "update_apply");
+}
+
+UpdateAckMsg Client::AbortUpdate(const std::string& update_id) {
+  const std::string id = NextId("uabort");
+  Send(UpdateAbortMsg{id, update_id});
+  return Expect<UpdateAckMsg>(WaitFor(id), "update_abort");
+}
+
+// ---- Control -----------------------------------------------------------------------------------------
+
+rollout::EngineStats Client::Stats() {
+  const std::string id = NextId("s");
+  Send(ControlMsg{id, ControlKind::kStats});
+  return Expect<StatsMsg>(WaitFor(id), "stats").stats;
+}
+
+HealthMsg Client::Health() {
+  const std::string id = NextId("h");
+  Send(ControlMsg{id, ControlKind::kHealth});
+  return Expect<HealthMsg>(WaitFor(id), "health");
+}
+
+void Client::Pause() {
+  const std::string id = NextId("p");
+  Send(ControlMsg{id, ControlKind::kPause});
+  (void)Expect<ControlAckMsg>(WaitFor(id), "pause");
+}
+
+void Client::Resume() {
+  const std::string id = NextId("r");
+  Send(ControlMsg{id, ControlKind::kResume});
+  (void)Expect<ControlAckMsg>(WaitFor(id), "resume");
+}
+
+void Client::FlushCache() {
+  const std::string id = NextId("f");
+  Send(ControlMsg{id, ControlKind::kFlushCache});
+  (void)Expect<ControlAckMsg>(WaitFor(id), "flush_cache");
+}
+
+void Client::Shutdown() {
+  const std::string id = NextId("q");
+  Send(ControlMsg{id, ControlKind::kShutdown});
+  (void)Expect<ControlAckMsg>(WaitFor(id), "shutdown");
+}
+
+}  // namespace vroll::transport

@@ -1,0 +1,164 @@
+#pragma once
+// The C++ client of the wire protocol (docs/PROTOCOL.md): one DEALER socket talking to one
+// vroll-worker. Blocking calls: each sends its messages and waits for the replies it expects.
+// Torch-free header.
+//
+//   transport::Client client;
+//   client.Connect("tcp://127.0.0.1:5555");
+//   std::vector<rollout::SampleResult> samples = client.Generate({request});
+//   transport::UpdateAckMsg ack = client.PushWeights(weights, /*version=*/1);
+//   // ack.version == 1, ack.weights_checksum == policy::WeightsChecksum(weights)
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "policy/policy_version.h"
+#include "policy/weight_update.h"
+#include "policy/weights.h"
+#include "rollout/engine.h"
+#include "rollout/request.h"
+#include "transport/curve.h"
+#include "transport/protocol.h"
+
+namespace vroll::transport {
+
+struct ClientOptions {
+  /// The worker's CURVE public key (Z85). Empty: CURVE off (the worker must have it off too).
+  std::string curve_server_key;
+  /// This client's CURVE key pair (Z85); required with curve_server_key. The worker's allow-list
+  /// decides what the public key may do.
+  std::string curve_public_key;
+  std::string curve_secret_key;
+  /// How long a call waits for each reply it expects (and a send for room in the queue), ms.
+  int64_t timeout_ms = 60000;
+  /// How long messages still queued at Close/destruction may take to go out, ms.
+  int linger_ms = 1000;
+};
+
+/// An `error` reply from the worker, thrown by the blocking calls.
+class WorkerError : public TransportError {
+ public:
+  explicit WorkerError(ErrorMsg error);
+  ErrorCode code() const { return error_.code; }
+  const std::string& field() const { return error_.field; }
+  const ErrorMsg& error() const { return error_; }
+
+ private:
+  ErrorMsg error_;
+};
+
+/// One tensor of a push, borrowed: `data` holds `num_bytes` bytes of `dtype` (little-endian,
+/// row-major) and must stay valid for the duration of the PushWeights call.
+struct TensorBytes {
+  std::string name;  ///< canonical (Hugging Face) parameter name
+  policy::DType dtype = policy::DType::kF32;
+  std::vector<int64_t> shape;
+  const void* data = nullptr;
+  size_t num_bytes = 0;
+};
+
+struct PushOptions {
+  rollout::InFlightMode mode = rollout::InFlightMode::kDrain;
+  bool partial = false;                      ///< true: the tensors may be a subset of the model's
+  size_t chunk_bytes = size_t{16} << 20;     ///< bytes per update_chunk frame
+  /// false: stop after verification (ack stage "verified"), for a two-phase push to several
+  /// workers; then ApplyUpdate(update_id) on each.
+  bool apply = true;
+  std::string update_id;  ///< empty: "v<version>-<random hex>"
+};
+
+/// A blocking client for one worker.
+///
+/// Thread safety: not thread-safe; use one Client per thread (ZeroMQ sockets belong to one
+/// thread). Several clients may talk to the same worker at once.
+///
+/// Errors: an `error` reply throws WorkerError (code, field, message); no reply within
+/// timeout_ms, a failed connect or an undecodable reply throws TransportError. After a throw the
+/// client stays usable: replies that arrive later for an abandoned call are skipped.
+class Client {
+ public:
+  Client();
+  ~Client();
+  Client(const Client&) = delete;
+  Client& operator=(const Client&) = delete;
+
+  /// Connects to `endpoint` (tcp://HOST:PORT or ipc://PATH). ZeroMQ connects in the background
+  /// and reconnects by itself; messages sent before the connection is up are queued. Throws
+  /// TransportError for a bad endpoint or bad keys, or when already connected.
+  void Connect(const std::string& endpoint, const ClientOptions& options = {});
+  /// Closes the socket (queued messages get linger_ms to go out). Connect may follow.
+  void Close();
+
+  // ---- Generation ---------------------------------------------------------------------------------
+
+  /// Sends every request, then calls `on_sample` once per sample as each arrives (in the order
+  /// they finish). When a request is refused, the samples of the accepted ones are still
+  /// awaited (each accepted sample is delivered exactly once), then the first refusal is thrown
+  /// as WorkerError. request.seed travels as sampling.seed.
+  void Generate(const std::vector<rollout::Request>& requests,
+                const std::function<void(rollout::SampleResult)>& on_sample);
+  /// Generate, collecting every sample; ordered by (request_id, sample_index), as
+  /// rollout::Engine::Generate orders them.
+  std::vector<rollout::SampleResult> Generate(const std::vector<rollout::Request>& requests);
+  /// Ends the request's unfinished samples (they arrive with finish_reason "aborted" to the
+  /// client that generated them). Waits for abort_ack.
+  void Abort(const std::string& request_id);
+
+  // ---- Weight updates -----------------------------------------------------------------------------
+
+  /// Pushes `tensors` as policy version `version`: update_begin (waits for "begun"), the bytes in
+  /// update_chunk frames of at most chunk_bytes (never through msgpack), update_commit, then
+  /// waits for the "applied" ack (or "verified" with apply false) and returns it. On any error
+  /// reply it sends update_abort (so the worker does not hold the update until its timeout) and
+  /// throws WorkerError. Checksums (XXH3-64 of each tensor's bytes) are computed here.
+  UpdateAckMsg PushWeights(const std::vector<TensorBytes>& tensors, PolicyVersion version,
+                           const PushOptions& options = {});
+  /// The same for fp32 weights by canonical name; the ack's weights_checksum then equals
+  /// policy::WeightsChecksum(weights) when the push was full (or the weights not pushed are
+  /// unchanged).
+  UpdateAckMsg PushWeights(const policy::WeightMap& weights, PolicyVersion version,
+                           const PushOptions& options = {});
+  /// Phase two of a two-phase push: applies a verified update; returns the "applied" ack.
+  UpdateAckMsg ApplyUpdate(const std::string& update_id);
+  /// Discards an open update; returns the "aborted" ack.
+  UpdateAckMsg AbortUpdate(const std::string& update_id);
+
+  // ---- Control ------------------------------------------------------------------------------------
+
+  rollout::EngineStats Stats();
+  HealthMsg Health();
+  void Pause();
+  void Resume();
+  void FlushCache();
+  /// Asks the worker to stop (its unfinished samples end "aborted"); waits for shutdown_ack.
+  void Shutdown();
+
+  // ---- Low level (custom flows, tests) ------------------------------------------------------------
+
+  /// Sends `message` as a header frame followed by `payload` frames (update_chunk: one).
+  void Send(const ClientMessage& message, const std::vector<std::string_view>& payload = {});
+  /// Sends arbitrary frames as one multipart message (for tests of malformed input).
+  void SendFrames(const std::vector<std::string>& frames);
+  /// The next reply, or nullopt when none arrives within `timeout_ms`. Throws TransportError when
+  /// the reply's header does not decode.
+  std::optional<WorkerMessage> Receive(int64_t timeout_ms);
+  /// Waits for the reply whose id is `id`, skipping others; throws WorkerError for an error reply
+  /// and TransportError after timeout_ms without it.
+  WorkerMessage WaitFor(const std::string& id);
+  /// A fresh correlation id, unique within this client.
+  std::string NextId(const char* prefix = "m");
+
+  const std::string& endpoint() const { return endpoint_; }
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+  std::string endpoint_;
+};
+
+}  // namespace vroll::transport

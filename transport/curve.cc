@@ -1,0 +1,99 @@
+#include "transport/curve.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <fstream>
+#include <sstream>
+
+#include <fmt/format.h>
+#include <zmq.h>
+
+namespace vroll::transport {
+
+namespace {
+
+/// The key a line holds: its first whitespace-separated token, or "" for a blank line or a
+/// comment. Z85 uses '#' itself, so a comment is a line whose first token starts with '#' and is
+/// not a key; text after the key is a comment too ("KEY  # trainer-0").
+std::string KeyOfLine(const std::string& line) {
+  const size_t begin = line.find_first_not_of(" \t\r\n");
+  if (begin == std::string::npos) return {};
+  const size_t end = line.find_first_of(" \t\r\n", begin);
+  std::string token = line.substr(begin, end == std::string::npos ? std::string::npos : end - begin);
+  if (token[0] == '#' && !IsZ85Key(token)) return {};
+  return token;
+}
+
+std::vector<std::string> ReadKeys(const std::string& path, bool single) {
+  std::ifstream in(path);
+  if (!in) throw TransportError(fmt::format("{}: cannot read CURVE key file ({})", path, std::strerror(errno)));
+  std::vector<std::string> keys;
+  std::string line;
+  for (int line_no = 1; std::getline(in, line); ++line_no) {
+    const std::string key = KeyOfLine(line);
+    if (key.empty()) continue;
+    if (!IsZ85Key(key)) {
+      throw TransportError(fmt::format("{}:{}: not a 40-character Z85 CURVE key", path, line_no));
+    }
+    keys.push_back(key);
+    if (single) break;
+  }
+  return keys;
+}
+
+}  // namespace
+
+CurveKeyPair GenerateCurveKeyPair() {
+  char public_key[41] = {};
+  char secret_key[41] = {};
+  if (zmq_curve_keypair(public_key, secret_key) != 0) {
+    throw TransportError(fmt::format("zmq_curve_keypair failed: {} (libzmq built without CURVE?)", zmq_strerror(zmq_errno())));
+  }
+  return {public_key, secret_key};
+}
+
+std::string CurvePublicKey(const std::string& secret_key, const std::string& what) {
+  CheckZ85Key(secret_key, what);
+  char public_key[41] = {};
+  if (zmq_curve_public(public_key, secret_key.c_str()) != 0) {
+    throw TransportError(fmt::format("{}: zmq_curve_public failed: {}", what, zmq_strerror(zmq_errno())));
+  }
+  return public_key;
+}
+
+bool IsZ85Key(const std::string& key) {
+  if (key.size() != 40) return false;
+  uint8_t bytes[32];
+  return zmq_z85_decode(bytes, key.c_str()) != nullptr;
+}
+
+void CheckZ85Key(const std::string& key, const std::string& what) {
+  if (!IsZ85Key(key)) {
+    throw TransportError(fmt::format("{} must be a 40-character Z85 CURVE key (got {} characters)", what, key.size()));
+  }
+}
+
+std::string ReadCurveKeyFile(const std::string& path) {
+  std::vector<std::string> keys = ReadKeys(path, /*single=*/true);
+  if (keys.empty()) throw TransportError(fmt::format("{}: holds no CURVE key", path));
+  return keys[0];
+}
+
+std::vector<std::string> ReadCurveKeyListFile(const std::string& path) { return ReadKeys(path, /*single=*/false); }
+
+void WriteCurveKeyFile(const std::string& path, const std::string& key, bool secret) {
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, secret ? 0600 : 0644);
+  if (fd < 0) throw TransportError(fmt::format("{}: cannot write ({})", path, std::strerror(errno)));
+  const std::string text = key + "\n";
+  const ssize_t written = ::write(fd, text.data(), text.size());
+  const int close_rc = ::close(fd);
+  if (written != static_cast<ssize_t>(text.size()) || close_rc != 0) {
+    throw TransportError(fmt::format("{}: write failed ({})", path, std::strerror(errno)));
+  }
+}
+
+}  // namespace vroll::transport

@@ -1,0 +1,909 @@
+#include "transport/worker_server.h"
+
+#include <sys/eventfd.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <optional>
+#include <thread>
+#include <unordered_map>
+#include <variant>
+
+#include <fmt/format.h>
+#include <zmq.hpp>
+
+#include "policy/errors.h"
+#include "policy/logging.h"
+#include "policy/weight_update.h"
+#include "transport/curve.h"
+#include "transport/protocol.h"
+
+namespace vroll::transport {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+constexpr const char* kZapEndpoint = "inproc://zeromq.zap.01";
+/// Messages read from the socket per loop turn before the outbox is served again, so that a
+/// flood of requests cannot starve the streaming of finished samples.
+constexpr int kMaxMessagesPerTurn = 256;
+
+/// What a peer may do: decided by the ZAP handler from its CURVE key (User-Id metadata).
+enum class Role { kTrainer, kClient };
+constexpr const char* kTrainerUserId = "trainer";
+constexpr const char* kClientUserId = "client";
+
+std::string Hex(const std::string& bytes) {
+  std::string out;
+  for (unsigned char c : bytes) out += fmt::format("{:02x}", c);
+  return out;
+}
+
+int64_t MsSince(Clock::time_point t) {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - t).count();
+}
+
+/// A sample finished (engine thread -> socket thread). `ticket` names the live request.
+struct SampleEvent {
+  uint64_t ticket = 0;
+  rollout::SampleResult result;
+};
+
+/// A weight update was applied or refused by the engine. `serial` names the submission.
+struct UpdateEvent {
+  uint64_t serial = 0;
+  rollout::UpdateResult result;
+};
+
+using Event = std::variant<SampleEvent, UpdateEvent>;
+
+/// The engine thread's way to the socket thread: a mutex-guarded queue plus an eventfd that the
+/// socket thread polls next to the ROUTER socket. Shared (shared_ptr) by the server and every
+/// callback handed to the engine, so a callback never outlives what it writes to.
+class Outbox {
+ public:
+  Outbox() : fd_(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC)) {
+    if (fd_ < 0) throw TransportError(fmt::format("eventfd failed: {}", std::strerror(errno)));
+  }
+  ~Outbox() { ::close(fd_); }
+  Outbox(const Outbox&) = delete;
+  Outbox& operator=(const Outbox&) = delete;
+
+  /// Any thread. Wakes the socket thread when the queue was empty (otherwise a wake-up is due).
+  void Push(Event event) {
+    bool was_empty;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      was_empty = events_.empty();
+      events_.push_back(std::move(event));
+    }
+    if (was_empty) Wake();
+  }
+
+  /// Makes the eventfd readable. Async-signal-safe.
+  void Wake() {
+    const uint64_t one = 1;
+    [[maybe_unused]] const ssize_t n = ::write(fd_, &one, sizeof(one));
+  }
+
+  /// Socket thread: clears the wake-up first, then takes the queue (in that order, so that an
+  /// event pushed in between is either taken now or leaves the eventfd readable).
+  std::vector<Event> Take() {
+    uint64_t count;
+    [[maybe_unused]] const ssize_t n = ::read(fd_, &count, sizeof(count));
+    std::vector<Event> events;
+    std::lock_guard<std::mutex> lock(mu_);
+    events.swap(events_);
+    return events;
+  }
+
+  int fd() const { return fd_; }
+
+ private:
+  const int fd_;
+  std::mutex mu_;
+  std::vector<Event> events_;  // guarded by mu_
+};
+
+/// Maps an Engine::Submit refusal message to the wire field it names ("prompt[3] = ...",
+/// "n = ...", "request_id '...' is already in flight", "sampling param top_p = ...").
+std::string FieldOfEngineError(const std::string& error) {
+  const std::string sampling = "sampling param ";
+  if (error.rfind(sampling, 0) == 0) {
+    const std::string rest = error.substr(sampling.size());
+    return "sampling." + rest.substr(0, rest.find(' '));
+  }
+  const std::string word = error.substr(0, error.find(' '));
+  if (word == "n" || word == "prompt" || word == "request_id" || word.rfind("prompt[", 0) == 0) return word;
+  return "";
+}
+
+}  // namespace
+
+// ---- Config ----------------------------------------------------------------------------------------
+
+void WorkerConfig::Validate() const {
+  auto fail = [](const std::string& msg) { throw policy::ConfigError("worker config: " + msg); };
+  if (endpoint.empty()) fail("endpoint is empty (e.g. tcp://127.0.0.1:5555 or ipc:///tmp/vroll.sock)");
+  if (max_message_bytes <= 0) fail(fmt::format("max_message_bytes = {} must be > 0", max_message_bytes));
+  if (update_timeout_ms <= 0) fail(fmt::format("update_timeout_ms = {} must be > 0", update_timeout_ms));
+  if (shutdown_grace_ms < 0) fail(fmt::format("shutdown_grace_ms = {} must be >= 0", shutdown_grace_ms));
+  if (linger_ms < 0) fail(fmt::format("linger_ms = {} must be >= 0", linger_ms));
+  if (send_high_water_mark < 0) fail(fmt::format("send_high_water_mark = {} must be >= 0", send_high_water_mark));
+  if (!curve.enabled()) {
+    if (!curve.trainer_keys.empty() || !curve.client_keys.empty()) {
+      fail("curve.trainer_keys / curve.client_keys are set but curve.secret_key is empty (CURVE off)");
+    }
+    return;
+  }
+  if (!IsZ85Key(curve.secret_key)) fail("curve.secret_key must be a 40-character Z85 CURVE key");
+  if (curve.trainer_keys.empty() && curve.client_keys.empty()) {
+    fail("CURVE is on but curve.trainer_keys and curve.client_keys are both empty: nobody could connect");
+  }
+  for (size_t i = 0; i < curve.trainer_keys.size(); ++i) {
+    if (!IsZ85Key(curve.trainer_keys[i])) fail(fmt::format("curve.trainer_keys[{}] is not a Z85 CURVE public key", i));
+  }
+  for (size_t i = 0; i < curve.client_keys.size(); ++i) {
+    if (!IsZ85Key(curve.client_keys[i])) fail(fmt::format("curve.client_keys[{}] is not a Z85 CURVE public key", i));
+  }
+}
+
+std::string WorkerConfig::ToString() const {
+  std::string curve_text = "off";
+  if (curve.enabled()) {
+    curve_text = fmt::format("on (server public key {}, {} trainer keys, {} client keys)",
+                             CurvePublicKey(curve.secret_key, "curve.secret_key"), curve.trainer_keys.size(),
+                             curve.client_keys.size());
+  }
+  return fmt::format(
+      "endpoint {}, max_message_bytes {} ({:.1f} MiB), update_timeout_ms {}, shutdown_grace_ms {}, linger_ms {}, "
+      "send_high_water_mark {}, CURVE {}",
+      endpoint, max_message_bytes, max_message_bytes / 1048576.0, update_timeout_ms, shutdown_grace_ms, linger_ms,
+      send_high_water_mark, curve_text);
+}
+
+// ---- Server ----------------------------------------------------------------------------------------
+
+struct WorkerServer::Impl {
+  /// An accepted generate request whose samples are not all sent yet.
+  struct LiveRequest {
+    std::string peer;        // routing id of the client
+    std::string id;          // the generate message's correlation id
+    std::string request_id;
+    int n = 1;
+    int num_sent = 0;
+  };
+
+  /// The open weight update (at most one).
+  ///   kStaging --commit ok, apply--> kApplying --engine ack--> closed
+  ///   kStaging --commit ok, !apply--> kVerified --update_apply--> kApplying
+  ///   kStaging/kVerified --a failed write or commit--> kPoisoned
+  ///   any but kApplying --update_abort, timeout, a new begin (kPoisoned only)--> closed
+  struct OpenUpdate {
+    enum class Phase { kStaging, kVerified, kApplying, kPoisoned };
+    std::string update_id;
+    Phase phase = Phase::kStaging;
+    rollout::InFlightMode mode = rollout::InFlightMode::kDrain;
+    PolicyVersion version = 0;
+    Clock::time_point last_message;
+    std::string cause;      // kPoisoned: why
+    uint64_t serial = 0;    // kApplying: the submission the engine will acknowledge
+    std::string ack_peer;   // kApplying: who gets the applied ack, and its message id
+    std::string ack_id;
+  };
+
+  /// One received multipart message, routing id first.
+  struct Incoming {
+    std::vector<zmq::message_t> frames;  // [routing id, header, payload...], at most kMaxKeptFrames
+    size_t num_frames = 0;               // including the ones not kept
+    Role role = Role::kTrainer;
+  };
+  static constexpr size_t kMaxKeptFrames = 3;
+
+  Impl(rollout::Engine& engine_in, WorkerConfig config_in)
+      : engine(engine_in), config(std::move(config_in)), log(Logger("transport")) {}
+
+  // ---- Set-up (constructor thread) ----------------------------------------------------------------
+
+  void Start() {
+    config.Validate();
+    for (const policy::ParamSpec& p : engine.param_specs()) param_shapes[p.name] = p.shape;
+    staging = std::make_shared<policy::WeightUpdateStaging>(engine.param_specs());
+    outbox = std::make_shared<Outbox>();
+    if (config.curve.enabled()) StartZap();
+    router = zmq::socket_t(context, zmq::socket_type::router);
+    router.set(zmq::sockopt::linger, config.linger_ms);
+    router.set(zmq::sockopt::maxmsgsize, 2 * config.max_message_bytes);
+    router.set(zmq::sockopt::sndhwm, config.send_high_water_mark);
+    if (config.curve.enabled()) {
+      router.set(zmq::sockopt::curve_server, 1);
+      router.set(zmq::sockopt::zap_domain, "vroll");
+      if (zmq_setsockopt(router.handle(), ZMQ_CURVE_SECRETKEY, config.curve.secret_key.c_str(), 41) != 0) {
+        throw TransportError(fmt::format("cannot set the CURVE secret key: {}", zmq_strerror(zmq_errno())));
+      }
+    }
+    try {
+      router.bind(config.endpoint);
+    } catch (const zmq::error_t& e) {
+      throw TransportError(fmt::format("cannot bind {}: {}", config.endpoint, e.what()));
+    }
+    bound_endpoint = router.get(zmq::sockopt::last_endpoint);
+    const policy::ModelConfig& m = engine.model_config();
+    log.info("worker listening on {} ({}); model vocab {}, context {}, {} parameters; policy version {}",
+             bound_endpoint, config.ToString(), m.vocab_size, m.max_seq_len, engine.param_specs().size(),
+             engine.policy_version());
+    const bool loopback = bound_endpoint.rfind("tcp://127.", 0) == 0 || bound_endpoint.rfind("tcp://[::1]", 0) == 0 ||
+                          bound_endpoint.rfind("ipc://", 0) == 0 || bound_endpoint.rfind("inproc://", 0) == 0;
+    if (!loopback && !config.curve.enabled()) {
+      log.warn("{} is reachable from other machines and CURVE is off: anyone who can connect may push weights",
+               bound_endpoint);
+    }
+  }
+
+  void StartZap() {
+    for (const std::string& key : config.curve.client_keys) allowed_keys[DecodeZ85(key)] = Role::kClient;
+    for (const std::string& key : config.curve.trainer_keys) allowed_keys[DecodeZ85(key)] = Role::kTrainer;
+    zap_stop_fd = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    if (zap_stop_fd < 0) throw TransportError(fmt::format("eventfd failed: {}", std::strerror(errno)));
+    // Bound before the ROUTER binds: libzmq lets every CURVE client in when no ZAP handler exists.
+    zap = zmq::socket_t(context, zmq::socket_type::rep);
+    zap.set(zmq::sockopt::linger, 0);
+    zap.bind(kZapEndpoint);
+    zap_thread = std::thread([this] { ZapLoop(); });
+  }
+
+  static std::string DecodeZ85(const std::string& key) {
+    std::string bytes(32, '\0');
+    zmq_z85_decode(reinterpret_cast<uint8_t*>(bytes.data()), key.c_str());
+    return bytes;
+  }
+
+  /// ZAP thread: answers each authentication request (RFC 27) with 200 and a User-Id for an
+  /// allowed key, 400 for any other.
+  void ZapLoop() {
+    zmq_pollitem_t items[] = {{zap.handle(), 0, ZMQ_POLLIN, 0}, {nullptr, zap_stop_fd, ZMQ_POLLIN, 0}};
+    while (true) {
+      if (zmq_poll(items, 2, -1) < 0) {
+        if (zmq_errno() == EINTR) continue;
+        log.error("ZAP handler: zmq_poll failed: {}", zmq_strerror(zmq_errno()));
+        return;
+      }
+      if (items[1].revents & ZMQ_POLLIN) return;
+      if (!(items[0].revents & ZMQ_POLLIN)) continue;
+      try {
+        std::vector<std::string> request;
+        while (true) {
+          zmq::message_t frame;
+          if (!zap.recv(frame, zmq::recv_flags::none)) break;
+          request.push_back(frame.to_string());
+          if (!frame.more()) break;
+        }
+        std::string status = "400", text = "not allowed", user_id;
+        if (request.size() >= 7 && request[0] == "1.0" && request[5] == "CURVE" && request[6].size() == 32) {
+          auto it = allowed_keys.find(request[6]);
+          if (it != allowed_keys.end()) {
+            status = "200";
+            text = "OK";
+            user_id = it->second == Role::kTrainer ? kTrainerUserId : kClientUserId;
+          } else {
+            char z85[41] = {};
+            zmq_z85_encode(z85, reinterpret_cast<const uint8_t*>(request[6].data()), 32);
+            log.warn("refused a CURVE client from {}: public key {} is on no allow-list", request[3], z85);
+          }
+        } else {
+          log.warn("refused a connection: not a CURVE ZAP request (mechanism '{}')", request.size() > 5 ? request[5] : "");
+        }
+        const std::string request_id = request.size() > 1 ? request[1] : "";
+        const std::string reply[] = {"1.0", request_id, status, text, user_id, ""};
+        for (size_t i = 0; i < 6; ++i) {
+          zap.send(zmq::buffer(reply[i]), i < 5 ? zmq::send_flags::sndmore : zmq::send_flags::none);
+        }
+      } catch (const std::exception& e) {
+        log.error("ZAP handler: {}", e.what());
+      }
+    }
+  }
+
+  void StopZap() {
+    if (!zap_thread.joinable()) return;
+    const uint64_t one = 1;
+    [[maybe_unused]] const ssize_t n = ::write(zap_stop_fd, &one, sizeof(one));
+    zap_thread.join();
+    zap.close();
+    ::close(zap_stop_fd);
+  }
+
+  // ---- The loop (socket thread) -----------------------------------------------------------------
+
+  void Run() {
+    zmq_pollitem_t items[] = {{router.handle(), 0, ZMQ_POLLIN, 0}, {nullptr, outbox->fd(), ZMQ_POLLIN, 0}};
+    while (true) {
+      if (zmq_poll(items, 2, PollTimeoutMs()) < 0 && zmq_errno() != EINTR) {
+        log.error("zmq_poll failed: {}; the worker stops serving", zmq_strerror(zmq_errno()));
+        break;
+      }
+      if (stop_requested.load() && !shutting_down) BeginShutdown("stop requested");
+      DeliverOutbox();
+      for (int i = 0; i < kMaxMessagesPerTurn; ++i) {
+        std::optional<Incoming> in = ReceiveOne();
+        if (!in) break;
+        HandleSafely(*in);
+      }
+      CheckUpdateTimeout();
+      if (shutting_down) {
+        const bool applying = update && update->phase == OpenUpdate::Phase::kApplying;
+        if (live.empty() && !applying) break;
+        if (Clock::now() >= grace_deadline) {
+          log.warn("shutdown: {} requests still unfinished after shutdown_grace_ms = {}; their remaining samples "
+                   "are dropped", live.size(), config.shutdown_grace_ms);
+          break;
+        }
+      }
+    }
+    log.info("worker on {} stopped serving", bound_endpoint);
+  }
+
+  long PollTimeoutMs() const {
+    std::optional<Clock::time_point> deadline;
+    if (update && update->phase != OpenUpdate::Phase::kApplying) {
+      deadline = update->last_message + std::chrono::milliseconds(config.update_timeout_ms);
+    }
+    if (shutting_down && (!deadline || grace_deadline < *deadline)) deadline = grace_deadline;
+    if (!deadline) return -1;
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(*deadline - Clock::now()).count();
+    return left <= 0 ? 0 : static_cast<long>(left + 1);
+  }
+
+  std::optional<Incoming> ReceiveOne() {
+    Incoming in;
+    while (true) {
+      zmq::message_t frame;
+      std::optional<size_t> got;
+      try {
+        got = router.recv(frame, in.num_frames == 0 ? zmq::recv_flags::dontwait : zmq::recv_flags::none);
+      } catch (const zmq::error_t& e) {
+        if (e.num() == EINTR && in.num_frames > 0) continue;
+        if (e.num() != EINTR) log.error("recv failed: {}", e.what());
+        return std::nullopt;
+      }
+      if (!got) return std::nullopt;
+      const bool more = frame.more();
+      if (in.num_frames == 1) {
+        // CURVE: the ZAP handler's User-Id rides on every frame from the wire.
+        const char* user_id = zmq_msg_gets(frame.handle(), "User-Id");
+        in.role = !config.curve.enabled() || (user_id != nullptr && std::strcmp(user_id, kTrainerUserId) == 0)
+                      ? Role::kTrainer
+                      : Role::kClient;
+      }
+      if (in.frames.size() < kMaxKeptFrames) in.frames.push_back(std::move(frame));
+      ++in.num_frames;
+      if (!more) return in;
+    }
+  }
+
+  void Send(const std::string& peer, const WorkerMessage& message) {
+    const std::string bytes = EncodeWorkerMessage(message);
+    try {
+      router.send(zmq::buffer(peer), zmq::send_flags::sndmore | zmq::send_flags::dontwait);
+      router.send(zmq::buffer(bytes), zmq::send_flags::dontwait);
+    } catch (const zmq::error_t& e) {
+      log.warn("reply {} to peer {} not sent: {}", TypeName(message), Hex(peer), e.what());
+    }
+  }
+
+  void SendError(const std::string& peer, const std::string& id, ErrorCode code, std::string field,
+                 std::string message) {
+    log.debug("error {} to peer {} (id '{}'): {}{}{}", ErrorCodeName(code), Hex(peer), id, field,
+              field.empty() ? "" : ": ", message);
+    Send(peer, ErrorMsg{id, code, std::move(field), std::move(message)});
+  }
+
+  // ---- Requests ---------------------------------------------------------------------------------
+
+  void HandleSafely(Incoming& in) {
+    const std::string peer = in.frames[0].to_string();
+    try {
+      Handle(peer, in);
+    } catch (const std::exception& e) {  // nothing escapes the socket thread's loop
+      log.error("handling a message from peer {} failed: {}", Hex(peer), e.what());
+      SendError(peer, "", ErrorCode::kBadMessage, "", fmt::format("internal error: {}", e.what()));
+    }
+  }
+
+  void Handle(const std::string& peer, Incoming& in) {
+    if (in.num_frames < 2) {
+      SendError(peer, "", ErrorCode::kBadMessage, "", "message has no header frame");
+      return;
+    }
+    const zmq::message_t& header = in.frames[1];
+    if (header.size() > static_cast<size_t>(config.max_message_bytes)) {
+      SendError(peer, "", ErrorCode::kTooLarge, "",
+                fmt::format("header frame of {} bytes exceeds max_message_bytes = {}", header.size(),
+                            config.max_message_bytes));
+      return;
+    }
+    Decoded<ClientMessage> decoded = DecodeClientMessage(header.data(), header.size());
+    if (!decoded.ok()) {
+      SendError(peer, decoded.error.id, decoded.error.code, decoded.error.field, decoded.error.message);
+      return;
+    }
+    ClientMessage& message = *decoded.message;
+    const std::string& id = MessageId(message);
+    const size_t num_payload = in.num_frames - 2;
+    if (num_payload != NumPayloadFrames(message)) {
+      SendError(peer, id, ErrorCode::kBadMessage, "",
+                fmt::format("{} carries {} frame(s) after the header, expected {}", TypeName(message), num_payload,
+                            NumPayloadFrames(message)));
+      return;
+    }
+    for (size_t i = 2; i < in.frames.size(); ++i) {
+      if (in.frames[i].size() > static_cast<size_t>(config.max_message_bytes)) {
+        SendError(peer, id, ErrorCode::kTooLarge, "",
+                  fmt::format("frame {} of {} bytes exceeds max_message_bytes = {}", i - 1, in.frames[i].size(),
+                              config.max_message_bytes));
+        return;
+      }
+    }
+    if (in.role != Role::kTrainer && NeedsTrainer(message)) {
+      SendError(peer, id, ErrorCode::kUnauthorized, "",
+                fmt::format("{} needs a trainer key; this connection's CURVE key is a client key", TypeName(message)));
+      return;
+    }
+    std::visit(
+        [&](auto& m) {
+          using T = std::decay_t<decltype(m)>;
+          if constexpr (std::is_same_v<T, UpdateChunkMsg>) {
+            OnUpdateChunk(peer, m, in.frames[2]);
+          } else {
+            On(peer, m);
+          }
+        },
+        message);
+  }
+
+  static bool NeedsTrainer(const ClientMessage& message) {
+    if (std::holds_alternative<GenerateMsg>(message) || std::holds_alternative<AbortMsg>(message)) return false;
+    if (const auto* c = std::get_if<ControlMsg>(&message)) {
+      return c->kind != ControlKind::kStats && c->kind != ControlKind::kHealth;
+    }
+    return true;  // update_*
+  }
+
+  void On(const std::string& peer, GenerateMsg& m) {
+    if (shutting_down) {
+      SendError(peer, m.id, ErrorCode::kShuttingDown, "", "the worker is shutting down");
+      return;
+    }
+    // Checks that need the model, each naming its field (the engine would refuse these too, but
+    // in prose).
+    const rollout::Request& r = m.request;
+    const policy::ModelConfig& model = engine.model_config();
+    for (size_t i = 0; i < r.prompt.size(); ++i) {
+      if (r.prompt[i] < 0 || r.prompt[i] >= model.vocab_size) {
+        SendError(peer, m.id, ErrorCode::kBadField, fmt::format("prompt[{}]", i),
+                  fmt::format("prompt[{}] = {} is outside the vocabulary [0, {})", i, r.prompt[i], model.vocab_size));
+        return;
+      }
+    }
+    if (static_cast<int64_t>(r.prompt.size()) >= model.max_seq_len) {
+      SendError(peer, m.id, ErrorCode::kBadField, "prompt",
+                fmt::format("prompt has {} tokens; the model's context is {} (at least one must be generated)",
+                            r.prompt.size(), model.max_seq_len));
+      return;
+    }
+    const std::vector<policy::TokenId>& stops = r.sampling.stop_token_ids;
+    for (size_t i = 0; i < stops.size(); ++i) {
+      if (stops[i] < 0 || stops[i] >= model.vocab_size) {
+        SendError(peer, m.id, ErrorCode::kBadField, fmt::format("sampling.stop_token_ids[{}]", i),
+                  fmt::format("sampling.stop_token_ids[{}] = {} is outside the vocabulary [0, {})", i, stops[i],
+                              model.vocab_size));
+        return;
+      }
+    }
+    const uint64_t ticket = next_ticket++;
+    LiveRequest live_request{peer, m.id, r.request_id, r.n, 0};
+    std::shared_ptr<Outbox> box = outbox;
+    const rollout::SubmitStatus status = engine.Submit(std::move(m.request), [box, ticket](rollout::SampleResult s) {
+      box->Push(SampleEvent{ticket, std::move(s)});
+    });
+    switch (status.code) {
+      case rollout::SubmitStatus::Code::kOk: break;
+      case rollout::SubmitStatus::Code::kOverloaded:
+        SendError(peer, m.id, ErrorCode::kOverloaded, "", status.error);
+        return;
+      case rollout::SubmitStatus::Code::kStopped:
+        SendError(peer, m.id, ErrorCode::kShuttingDown, "", status.error);
+        return;
+      case rollout::SubmitStatus::Code::kInvalid:
+        SendError(peer, m.id, ErrorCode::kBadField, FieldOfEngineError(status.error), status.error);
+        return;
+    }
+    Send(peer, AcceptedMsg{live_request.id, live_request.request_id, engine.policy_version()});
+    live.emplace(ticket, std::move(live_request));
+  }
+
+  void On(const std::string& peer, AbortMsg& m) {
+    engine.Abort(m.request_id);
+    Send(peer, AbortAckMsg{m.id, m.request_id});
+  }
+
+  void On(const std::string& peer, ControlMsg& m) {
+    switch (m.kind) {
+      case ControlKind::kPause:
+        engine.Pause();
+        log.info("paused by peer {}", Hex(peer));
+        break;
+      case ControlKind::kResume:
+        engine.Resume();
+        log.info("resumed by peer {}", Hex(peer));
+        break;
+      case ControlKind::kFlushCache: engine.FlushCache(); break;
+      case ControlKind::kStats: Send(peer, StatsMsg{m.id, engine.stats()}); return;
+      case ControlKind::kHealth: {
+        const policy::ModelConfig& model = engine.model_config();
+        Send(peer, HealthMsg{m.id, !shutting_down, engine.policy_version(),
+                             ModelInfo{model.vocab_size, model.max_seq_len, model.dim, model.n_layers},
+                             kProtocolVersion});
+        return;
+      }
+      case ControlKind::kShutdown:
+        Send(peer, ControlAckMsg{m.id, m.kind});
+        BeginShutdown(fmt::format("shutdown message from peer {}", Hex(peer)));
+        return;
+    }
+    Send(peer, ControlAckMsg{m.id, m.kind});
+  }
+
+  // ---- Weight updates ---------------------------------------------------------------------------
+
+  /// The open update named `update_id`, or null after answering `unknown_update`. Refreshes its
+  /// timeout.
+  OpenUpdate* FindUpdate(const std::string& peer, const std::string& id, const std::string& update_id) {
+    if (!update || update->update_id != update_id) {
+      SendError(peer, id, ErrorCode::kUnknownUpdate, "update_id",
+                update ? fmt::format("no open update '{}' (the open one is '{}')", update_id, update->update_id)
+                       : fmt::format("no open update '{}' (never begun, finished, aborted or timed out)", update_id));
+      return nullptr;
+    }
+    update->last_message = Clock::now();
+    return &*update;
+  }
+
+  void Poison(OpenUpdate& u, const std::string& cause) {
+    u.phase = OpenUpdate::Phase::kPoisoned;
+    u.cause = cause;
+    log.warn("update '{}' (version {}) failed: {}", u.update_id, u.version, cause);
+  }
+
+  /// Answers the messages a poisoned or applying update refuses; returns whether it answered.
+  bool RefuseByPhase(const std::string& peer, const std::string& id, const OpenUpdate& u, const char* what) {
+    if (u.phase == OpenUpdate::Phase::kPoisoned) {
+      SendError(peer, id, ErrorCode::kUpdateFailed, "", u.cause);
+      return true;
+    }
+    if (u.phase == OpenUpdate::Phase::kApplying) {
+      SendError(peer, id, ErrorCode::kBusy, "",
+                fmt::format("update '{}' is being applied; {} is no longer possible", u.update_id, what));
+      return true;
+    }
+    return false;
+  }
+
+  void On(const std::string& peer, UpdateBeginMsg& m) {
+    if (shutting_down) {
+      SendError(peer, m.id, ErrorCode::kShuttingDown, "", "the worker is shutting down");
+      return;
+    }
+    if (update) {
+      if (update->phase != OpenUpdate::Phase::kPoisoned) {
+        SendError(peer, m.id, ErrorCode::kBusy, "",
+                  fmt::format("update '{}' (version {}) is open; abort it or wait for it to finish or time out "
+                              "(update_timeout_ms = {})",
+                              update->update_id, update->version, config.update_timeout_ms));
+        return;
+      }
+      log.info("update '{}' (poisoned) discarded by a new begin '{}'", update->update_id, m.update_id);
+      staging->Abort();
+      update.reset();
+    }
+    if (!CheckManifest(peer, m)) return;
+    const PolicyVersion current = engine.policy_version();
+    policy::UpdateStatus st = staging->Begin(m.manifest, current);
+    if (!st.ok()) {
+      staging->Abort();
+      log.warn("update '{}' refused at begin: {}", m.update_id, st.error());
+      SendError(peer, m.id, ErrorCode::kUpdateFailed, "", st.error());
+      return;
+    }
+    OpenUpdate u;
+    u.update_id = m.update_id;
+    u.mode = m.mode;
+    u.version = m.manifest.version;
+    u.last_message = Clock::now();
+    update = std::move(u);
+    log.info("update '{}' begun by peer {}: version {} -> {}, {} tensors, mode {}", m.update_id, Hex(peer), current,
+             m.manifest.version, m.manifest.tensors.size(), rollout::InFlightModeName(m.mode));
+    UpdateAckMsg ack;
+    ack.id = m.id;
+    ack.update_id = m.update_id;
+    ack.stage = UpdateStage::kBegun;
+    ack.version = current;
+    Send(peer, ack);
+  }
+
+  /// The manifest checks that need the model, each answered as `bad_field` naming the field.
+  bool CheckManifest(const std::string& peer, const UpdateBeginMsg& m) {
+    const PolicyVersion current = engine.policy_version();
+    if (m.manifest.version <= current) {
+      SendError(peer, m.id, ErrorCode::kBadField, "version",
+                fmt::format("version = {} must be greater than the version in use, {}", m.manifest.version, current));
+      return false;
+    }
+    if (m.manifest.tensors.empty()) {
+      SendError(peer, m.id, ErrorCode::kBadField, "tensors", "tensors is empty: an update names at least one tensor");
+      return false;
+    }
+    std::map<std::string, size_t> seen;
+    for (size_t i = 0; i < m.manifest.tensors.size(); ++i) {
+      const policy::TensorManifestEntry& e = m.manifest.tensors[i];
+      const std::string field = fmt::format("tensors[{}]", i);
+      auto spec = param_shapes.find(e.name);
+      if (spec == param_shapes.end()) {
+        const bool tied_head = e.name == "lm_head.weight" && param_shapes.count("model.embed_tokens.weight") != 0;
+        SendError(peer, m.id, ErrorCode::kBadField, field + ".name",
+                  tied_head ? fmt::format("{}.name = 'lm_head.weight': the model ties its head to "
+                                          "model.embed_tokens.weight; send that instead", field)
+                            : fmt::format("{}.name = '{}' is not a parameter of the model", field, e.name));
+        return false;
+      }
+      if (!seen.emplace(e.name, i).second) {
+        SendError(peer, m.id, ErrorCode::kBadField, field + ".name",
+                  fmt::format("{}.name = '{}' repeats tensors[{}]", field, e.name, seen[e.name]));
+        return false;
+      }
+      if (e.shape != spec->second) {
+        SendError(peer, m.id, ErrorCode::kBadField, field + ".shape",
+                  fmt::format("{}.shape = [{}] but parameter {} has shape [{}]", field, fmt::join(e.shape, ", "),
+                              e.name, fmt::join(spec->second, ", ")));
+        return false;
+      }
+      uint64_t numel = 1;
+      for (int64_t d : e.shape) numel *= static_cast<uint64_t>(d);
+      const uint64_t expected = numel * policy::DTypeSize(e.dtype);
+      if (e.num_bytes != expected) {
+        SendError(peer, m.id, ErrorCode::kBadField, field + ".num_bytes",
+                  fmt::format("{}.num_bytes = {} but {} elements of {} are {} bytes", field, e.num_bytes, numel,
+                              policy::DTypeName(e.dtype), expected));
+        return false;
+      }
+    }
+    return true;
+  }
+
+  void OnUpdateChunk(const std::string& peer, const UpdateChunkMsg& m, const zmq::message_t& bytes) {
+    OpenUpdate* u = FindUpdate(peer, m.id, m.update_id);
+    if (u == nullptr || RefuseByPhase(peer, m.id, *u, "writing a chunk")) return;
+    // The bytes go straight from the ZeroMQ frame into the staging buffer.
+    const policy::UpdateStatus st = staging->Write(m.name, m.offset, bytes.data(), bytes.size());
+    if (!st.ok()) {
+      Poison(*u, st.error());
+      SendError(peer, m.id, ErrorCode::kUpdateFailed, "", st.error());
+    }
+  }
+
+  void On(const std::string& peer, UpdateCommitMsg& m) {
+    OpenUpdate* u = FindUpdate(peer, m.id, m.update_id);
+    if (u == nullptr || RefuseByPhase(peer, m.id, *u, "a commit")) return;
+    const policy::UpdateStatus st = staging->Verify();
+    if (!st.ok()) {
+      Poison(*u, st.error());
+      SendError(peer, m.id, ErrorCode::kUpdateFailed, "", st.error());
+      return;
+    }
+    if (m.apply) {
+      Apply(peer, m.id, *u);
+      return;
+    }
+    u->phase = OpenUpdate::Phase::kVerified;
+    log.info("update '{}' verified (version {}); waiting for update_apply", u->update_id, u->version);
+    UpdateAckMsg ack;
+    ack.id = m.id;
+    ack.update_id = u->update_id;
+    ack.stage = UpdateStage::kVerified;
+    ack.version = engine.policy_version();
+    Send(peer, ack);
+  }
+
+  void On(const std::string& peer, UpdateApplyMsg& m) {
+    OpenUpdate* u = FindUpdate(peer, m.id, m.update_id);
+    if (u == nullptr || RefuseByPhase(peer, m.id, *u, "another apply")) return;
+    if (u->phase != OpenUpdate::Phase::kVerified) {
+      SendError(peer, m.id, ErrorCode::kUpdateFailed, "",
+                fmt::format("update '{}' is not verified: send update_commit with apply false first", u->update_id));
+      return;
+    }
+    Apply(peer, m.id, *u);
+  }
+
+  /// Hands the verified staging to the engine; the acknowledgement comes back as an UpdateEvent.
+  void Apply(const std::string& peer, const std::string& id, OpenUpdate& u) {
+    const uint64_t serial = ++update_serial;
+    std::shared_ptr<Outbox> box = outbox;
+    std::shared_ptr<policy::WeightUpdateStaging> keep_alive = staging;  // the engine reads it until its ack
+    const rollout::SubmitStatus st =
+        engine.SubmitUpdate(staging.get(), u.mode, [box, keep_alive, serial](rollout::UpdateResult r) {
+          box->Push(UpdateEvent{serial, std::move(r)});
+        });
+    if (!st.ok()) {
+      staging->Abort();
+      log.warn("update '{}' refused by the engine: {}", u.update_id, st.error);
+      SendError(peer, id, ErrorCode::kBusy, "", st.error);
+      update.reset();
+      return;
+    }
+    u.phase = OpenUpdate::Phase::kApplying;
+    u.serial = serial;
+    u.ack_peer = peer;
+    u.ack_id = id;
+  }
+
+  void On(const std::string& peer, UpdateAbortMsg& m) {
+    OpenUpdate* u = FindUpdate(peer, m.id, m.update_id);
+    if (u == nullptr) return;
+    if (u->phase == OpenUpdate::Phase::kApplying) {
+      SendError(peer, m.id, ErrorCode::kBusy, "",
+                fmt::format("update '{}' is being applied; it can no longer be aborted", u->update_id));
+      return;
+    }
+    staging->Abort();
+    log.info("update '{}' (version {}) aborted by peer {}", u->update_id, u->version, Hex(peer));
+    UpdateAckMsg ack;
+    ack.id = m.id;
+    ack.update_id = u->update_id;
+    ack.stage = UpdateStage::kAborted;
+    ack.version = engine.policy_version();
+    update.reset();
+    Send(peer, ack);
+  }
+
+  void CheckUpdateTimeout() {
+    if (!update || update->phase == OpenUpdate::Phase::kApplying) return;
+    const int64_t idle_ms = MsSince(update->last_message);
+    if (idle_ms < config.update_timeout_ms) return;
+    staging->Abort();
+    log.warn("update '{}' (version {}) had no message for {} ms (update_timeout_ms = {}): aborted; keeping version {}",
+             update->update_id, update->version, idle_ms, config.update_timeout_ms, engine.policy_version());
+    update.reset();
+  }
+
+  // ---- Results from the engine ------------------------------------------------------------------
+
+  void DeliverOutbox() {
+    for (Event& event : outbox->Take()) {
+      if (auto* s = std::get_if<SampleEvent>(&event)) {
+        DeliverSample(*s);
+      } else {
+        DeliverUpdate(std::get<UpdateEvent>(event));
+      }
+    }
+  }
+
+  void DeliverSample(SampleEvent& s) {
+    auto it = live.find(s.ticket);
+    if (it == live.end()) {
+      log.error("sample for unknown ticket {} (request '{}') dropped", s.ticket, s.result.request_id);
+      return;
+    }
+    LiveRequest& r = it->second;
+    Send(r.peer, SampleMsg{r.id, std::move(s.result)});
+    if (++r.num_sent >= r.n) live.erase(it);
+  }
+
+  void DeliverUpdate(UpdateEvent& e) {
+    if (!update || update->phase != OpenUpdate::Phase::kApplying || update->serial != e.serial) {
+      log.error("weight update acknowledgement {} matches no applying update; dropped", e.serial);
+      return;
+    }
+    const rollout::UpdateResult& r = e.result;
+    if (!r.ok) {
+      SendError(update->ack_peer, update->ack_id, ErrorCode::kUpdateFailed, "", r.error);
+      log.warn("update '{}' refused by the engine: {}", update->update_id, r.error);
+      update.reset();
+      return;
+    }
+    UpdateAckMsg ack;
+    ack.id = update->ack_id;
+    ack.update_id = update->update_id;
+    ack.stage = UpdateStage::kApplied;
+    ack.version = r.version;
+    ack.weights_checksum = r.weights_checksum;
+    ack.num_drained = r.num_drained;
+    ack.num_aborted = r.num_aborted;
+    ack.num_restarted = r.num_restarted;
+    ack.num_recomputed = r.num_recomputed;
+    ack.wait_ms = r.wait_ms;
+    ack.stall_ms = r.stall_ms;
+    log.info("update '{}' applied: version {}, checksum {:016x}", update->update_id, r.version, r.weights_checksum);
+    Send(update->ack_peer, ack);
+    update.reset();
+  }
+
+  // ---- Shutdown ---------------------------------------------------------------------------------
+
+  void BeginShutdown(const std::string& reason) {
+    if (shutting_down) return;
+    shutting_down = true;
+    grace_deadline = Clock::now() + std::chrono::milliseconds(config.shutdown_grace_ms);
+    log.info("shutting down ({}): aborting {} unfinished requests", reason, live.size());
+    std::map<std::string, bool> aborted;
+    for (const auto& [ticket, r] : live) {
+      if (aborted.emplace(r.request_id, true).second) engine.Abort(r.request_id);
+    }
+    if (update && update->phase != OpenUpdate::Phase::kApplying) {
+      staging->Abort();
+      log.info("update '{}' aborted by the shutdown", update->update_id);
+      update.reset();
+    }
+  }
+
+  // Immutable after construction.
+  rollout::Engine& engine;
+  const WorkerConfig config;
+  spdlog::logger& log;
+  std::unordered_map<std::string, std::vector<int64_t>> param_shapes;
+  std::map<std::string, Role> allowed_keys;  // 32-byte CURVE public key -> role; read by the ZAP thread
+  std::string bound_endpoint;
+
+  zmq::context_t context;
+  std::shared_ptr<Outbox> outbox;          // shared with every callback handed to the engine
+  std::atomic<bool> stop_requested{false};  // set by Stop (any thread, signal handlers)
+
+  // ZAP thread.
+  zmq::socket_t zap;  // owned by zap_thread once started
+  std::thread zap_thread;
+  int zap_stop_fd = -1;
+
+  // Socket thread only (the constructor's thread until Run).
+  zmq::socket_t router;
+  std::unordered_map<uint64_t, LiveRequest> live;  // by ticket
+  uint64_t next_ticket = 1;
+  std::shared_ptr<policy::WeightUpdateStaging> staging;  // the engine reads it while kApplying
+  std::optional<OpenUpdate> update;
+  uint64_t update_serial = 0;
+  bool shutting_down = false;
+  Clock::time_point grace_deadline;
+};
+
+WorkerServer::WorkerServer(rollout::Engine& engine, WorkerConfig config)
+    : impl_(std::make_unique<Impl>(engine, std::move(config))) {
+  try {
+    impl_->Start();
+  } catch (...) {
+    impl_->StopZap();
+    throw;
+  }
+}
+
+WorkerServer::~WorkerServer() {
+  impl_->router.close();
+  impl_->StopZap();
+}
+
+void WorkerServer::Run() { impl_->Run(); }
+
+void WorkerServer::Stop() {
+  impl_->stop_requested.store(true);
+  impl_->outbox->Wake();
+}
+
+const std::string& WorkerServer::endpoint() const { return impl_->bound_endpoint; }
+
+const WorkerConfig& WorkerServer::config() const { return impl_->config; }
+
+}  // namespace vroll::transport
