@@ -3,6 +3,8 @@ the CLI) against FakeWorker: scripted in-process workers, no model, runs in abou
 import contextlib
 import io
 import json
+import os
+import tempfile
 import unittest
 
 import numpy as np
@@ -11,7 +13,8 @@ import zmq
 
 from fake_worker import FakeWorker, expected_tokens, reference_weights_checksum
 from vroll_client import (SamplingParams, VrollClient, VrollTimeoutError, WeightUpdateError,
-                          WorkerError, curve_keypair, weights_checksum)
+                          WorkerError, curve_keypair, curve_public_key,
+                          read_curve_key_file, weights_checksum)
 from vroll_client.__main__ import main as cli_main
 
 PARAMS = {"model.embed_tokens.weight": [16, 8], "model.layers.0.mlp.up_proj.weight": [12, 8],
@@ -250,6 +253,30 @@ class ControlTest(FakeWorkerTestCase):
             with VrollClient(worker.endpoint, timeout_s=0.3, linger_ms=0) as client:
                 with self.assertRaises(VrollTimeoutError):  # plain text is refused
                     client.health()
+        finally:
+            worker.stop()
+
+    def test_cli_reads_curve_key_files(self):
+        # '#' is a Z85 digit: use keys that hold one (about 31% of keys do).
+        server_public, server_secret = next(k for k in iter(curve_keypair, None) if "#" in k[0])
+        worker = FakeWorker(PARAMS, VOCAB, curve_secret_key=server_secret.encode())
+        client_public, client_secret = next(k for k in iter(curve_keypair, None) if "#" in k[1])
+        self.assertEqual(curve_public_key(client_secret), client_public)
+        try:
+            with tempfile.TemporaryDirectory() as tmp:
+                pub, key = os.path.join(tmp, "worker.pub"), os.path.join(tmp, "trainer.key")
+                with open(pub, "w") as f:
+                    f.write(f"# the worker's public key\n\n{server_public}  # worker-0\n")
+                with open(key, "w") as f:
+                    f.write(client_secret + "\n")
+                self.assertEqual(read_curve_key_file(pub), server_public)
+                stdout = io.StringIO()
+                with contextlib.redirect_stdout(stdout):
+                    rc = cli_main(["--endpoint", worker.endpoint, "--timeout-s", "5",
+                                   "--curve-server-key", "@" + pub, "--curve-secret-key",
+                                   "@" + key, "health"])
+                self.assertEqual(rc, 0)
+                self.assertTrue(json.loads(stdout.getvalue())[worker.endpoint]["ok"])
         finally:
             worker.stop()
 

@@ -12,6 +12,7 @@ policy versions, two-phase weight updates, control. The API follows vLLM where i
 Only numpy, pyzmq, msgpack and xxhash are needed; torch tensors are accepted when torch is used.
 """
 from .client import VrollClient
+from .curve import client_keys_from_secret, curve_keypair, curve_public_key, read_curve_key_file
 from .types import (CompletionOutput, RequestOutput, SamplingParams, UpdateAck, VrollError,
                     VrollTimeoutError, WeightUpdateError, WorkerError)
 from .weights import WireTensor, chunk_ranges, tensor_checksum, to_wire, weights_checksum
@@ -19,13 +20,7 @@ from .weights import WireTensor, chunk_ranges, tensor_checksum, to_wire, weights
 __all__ = [
     "CompletionOutput", "RequestOutput", "SamplingParams", "UpdateAck", "VrollClient",
     "VrollError", "VrollTimeoutError", "WeightUpdateError", "WireTensor", "WorkerError",
-    "chunk_ranges", "curve_keypair", "tensor_checksum", "to_wire", "weights_checksum",
+    "chunk_ranges", "client_keys_from_secret", "curve_keypair", "curve_public_key",
+    "read_curve_key_file", "tensor_checksum", "to_wire", "weights_checksum",
 ]
 
-
-def curve_keypair():
-    """A new CURVE key pair (public, secret) as 40-character Z85 strings."""
-    import zmq
-
-    public, secret = zmq.curve_keypair()
-    return public.decode("ascii"), secret.decode("ascii")

@@ -1,10 +1,12 @@
-"""Quick checks of running workers from a shell; prints JSON.
+r"""Quick checks of running workers from a shell; prints JSON.
 
     /usr/bin/python3 -m vroll_client --endpoint tcp://127.0.0.1:5555 health
     /usr/bin/python3 -m vroll_client --endpoint tcp://127.0.0.1:5555 stats
     /usr/bin/python3 -m vroll_client --endpoint tcp://127.0.0.1:5555 generate --prompt 1,72,101 \
         --n 4 --max-tokens 8 --temperature 0.8 --seed 7
-    /usr/bin/python3 -m vroll_client keygen        # a CURVE key pair for --curve-* options
+    /usr/bin/python3 -m vroll_client keygen        # a CURVE key pair (JSON)
+    /usr/bin/python3 -m vroll_client --endpoint tcp://10.0.0.5:5555 \
+        --curve-server-key @worker.pub --curve-secret-key @trainer.key health
 
 --endpoint repeats for several workers. Exit status: 0 ok, 1 a worker error or timeout, 2 usage.
 """
@@ -16,7 +18,8 @@ import json
 import sys
 from typing import List, Optional
 
-from . import SamplingParams, VrollClient, VrollError, curve_keypair
+from . import (SamplingParams, VrollClient, VrollError, client_keys_from_secret, curve_keypair,
+               read_curve_key_file)
 
 
 def _token_list(text: str) -> List[int]:
@@ -26,6 +29,13 @@ def _token_list(text: str) -> List[int]:
         raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of token ids")
 
 
+def _key_arg(value: Optional[str]) -> Optional[str]:
+    """A key given as Z85 text or as @FILE."""
+    if value and value.startswith("@"):
+        return read_curve_key_file(value[1:])
+    return value
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python3 -m vroll_client", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -33,9 +43,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="worker endpoint (repeat for several); default tcp://127.0.0.1:5555")
     p.add_argument("--timeout-s", type=float, default=30.0,
                    help="seconds a worker may stay silent while it owes a reply (default 30)")
-    p.add_argument("--curve-server-key", help="the worker's CURVE public key (Z85)")
-    p.add_argument("--curve-public-key", help="this client's CURVE public key (Z85)")
-    p.add_argument("--curve-secret-key", help="this client's CURVE secret key (Z85)")
+    p.add_argument("--curve-server-key",
+                   help="the worker's CURVE public key: Z85 text, or @FILE (e.g. @worker.pub)")
+    p.add_argument("--curve-secret-key",
+                   help="this client's CURVE secret key: Z85 text, or @FILE (e.g. @trainer.key); "
+                        "its public key must be on the worker's allow-list")
     sub = p.add_subparsers(dest="command", required=True)
     for name in ("health", "stats", "flush-cache", "pause", "resume", "shutdown"):
         sub.add_parser(name, help=f"send {name.replace('-', '_')} to every worker")
@@ -60,14 +72,14 @@ def main(argv: Optional[List[str]] = None) -> int:
         public, secret = curve_keypair()
         print(json.dumps({"public": public, "secret": secret}))
         return 0
-    client_keys = None
-    if args.curve_public_key or args.curve_secret_key:
-        client_keys = (args.curve_public_key, args.curve_secret_key)
     try:
+        server_key = _key_arg(args.curve_server_key)
+        secret = _key_arg(args.curve_secret_key)
         client = VrollClient(args.endpoint or ["tcp://127.0.0.1:5555"],
-                             curve_server_key=args.curve_server_key,
-                             curve_client_keys=client_keys, timeout_s=args.timeout_s)
-    except ValueError as exc:
+                             curve_server_key=server_key,
+                             curve_client_keys=client_keys_from_secret(secret) if secret else None,
+                             timeout_s=args.timeout_s)
+    except (OSError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     try:

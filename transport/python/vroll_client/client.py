@@ -501,7 +501,9 @@ class VrollClient:
         wait = min(1.0, self.timeout_s)
         if queue:
             now = time.monotonic()
-            wait = min(wait, max(0.0, min(w.backoff_until for w in self._workers) - now))
+            backoffs = [w.backoff_until - now for w in self._workers if w.backoff_until > now]
+            if backoffs:
+                wait = min(wait, min(backoffs))
         return wait
 
     def _on_generate_reply(self, w: _Worker, header: Dict[str, Any],
