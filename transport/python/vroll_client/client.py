@@ -395,7 +395,8 @@ class VrollClient:
 
     def generate(self, prompts: Sequence[Sequence[int]],
                  sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
-                 n: int = 1, min_policy_version: int = 0) -> List[RequestOutput]:
+                 n: int = 1, min_policy_version: int = 0,
+                 endpoints: Optional[Sequence[str]] = None) -> List[RequestOutput]:
         """Generates n samples for each prompt on the workers; returns one RequestOutput per
         prompt, in the order of ``prompts``, each with its n samples in index order.
 
@@ -411,6 +412,8 @@ class VrollClient:
             SamplingParams()).
           n: samples per prompt (a GRPO group), 1 <= n <= the worker's max_num_seqs.
           min_policy_version: the workers start a request only once they run this version.
+          endpoints: spread over these of the client's workers only (default all), e.g. to
+            leave out one that is down.
         Returns:
           list[RequestOutput]; a sample that failed inside the engine is returned with
           finish_reason ``error`` and its message in ``error``, not raised.
@@ -433,6 +436,7 @@ class VrollClient:
             raise ValueError(f"n = {n!r} must be an int >= 1")
         if min_policy_version < 0:
             raise ValueError(f"min_policy_version = {min_policy_version} must be >= 0")
+        workers = self._select(endpoints)
 
         requests: List[_PendingRequest] = []
         wire_cache: Dict[int, Dict[str, Any]] = {}
@@ -457,8 +461,8 @@ class VrollClient:
         num_done = 0
         try:
             while num_done < len(requests):
-                self._dispatch(queue, in_flight)
-                for w, header, _ in self._poll(self._generate_wait_s(queue)):
+                self._dispatch(workers, queue, in_flight)
+                for w, header, _ in self._poll(self._generate_wait_s(workers, queue)):
                     num_done += self._on_generate_reply(w, header, queue, in_flight)
                 self._check_silence(in_flight)
         except BaseException:
@@ -467,14 +471,14 @@ class VrollClient:
         return [RequestOutput(r.request_id, list(r.header["prompt"]), list(r.samples),
                               r.worker.endpoint if r.worker else "") for r in requests]
 
-    def _dispatch(self, queue: "collections.deque[_PendingRequest]",
+    def _dispatch(self, workers: Sequence[_Worker], queue: "collections.deque[_PendingRequest]",
                   in_flight: Dict[str, _PendingRequest]) -> None:
-        """Sends queued requests while some worker has room, least loaded first."""
+        """Sends queued requests while one of `workers` has room, least loaded first."""
         num_workers = len(self._workers)
         while queue:
             now = time.monotonic()
             n = queue[0].n
-            candidates = [w for w in self._workers if now >= w.backoff_until and (
+            candidates = [w for w in workers if now >= w.backoff_until and (
                 w.num_inflight_samples == 0 or w.num_inflight_samples + n <= self.max_in_flight)]
             if not candidates:
                 return
@@ -495,13 +499,14 @@ class VrollClient:
             w.num_inflight_requests += 1
             w.num_inflight_samples += request.n - request.num_received
 
-    def _generate_wait_s(self, queue: "collections.deque[_PendingRequest]") -> float:
+    def _generate_wait_s(self, workers: Sequence[_Worker],
+                         queue: "collections.deque[_PendingRequest]") -> float:
         """How long the generate loop may block in poll: until the next back-off ends (when
         requests wait for one) or the next silence check."""
         wait = min(1.0, self.timeout_s)
         if queue:
             now = time.monotonic()
-            backoffs = [w.backoff_until - now for w in self._workers if w.backoff_until > now]
+            backoffs = [w.backoff_until - now for w in workers if w.backoff_until > now]
             if backoffs:
                 wait = min(wait, min(backoffs))
         return wait
