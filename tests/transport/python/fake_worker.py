@@ -46,7 +46,7 @@ def _to_float32(dtype: str, raw: bytes, shape: List[int]) -> np.ndarray:
 
 
 class FakeWorker:
-    """Binds tcp://127.0.0.1:<ephemeral> and serves until stop().
+    """Binds `endpoint` (default tcp://127.0.0.1:<ephemeral>) and serves until stop().
 
     Knobs (set before the client sends; read by the worker thread):
       params: {name: shape} of the model (update manifests are checked against it).
@@ -61,7 +61,8 @@ class FakeWorker:
     """
 
     def __init__(self, params: Dict[str, List[int]], vocab_size: int = 64,
-                 curve_secret_key: Optional[bytes] = None):
+                 curve_secret_key: Optional[bytes] = None, endpoint: Optional[str] = None):
+        self._bind = endpoint
         self._curve_secret_key = curve_secret_key
         self.params = {k: list(v) for k, v in params.items()}
         self.vocab_size = vocab_size
@@ -98,8 +99,12 @@ class FakeWorker:
         if self._curve_secret_key is not None:
             sock.setsockopt(zmq.CURVE_SERVER, 1)
             sock.setsockopt(zmq.CURVE_SECRETKEY, self._curve_secret_key)
-        port = sock.bind_to_random_port("tcp://127.0.0.1")
-        self.endpoint = f"tcp://127.0.0.1:{port}"
+        if self._bind:
+            sock.bind(self._bind)
+            self.endpoint = self._bind
+        else:
+            port = sock.bind_to_random_port("tcp://127.0.0.1")
+            self.endpoint = f"tcp://127.0.0.1:{port}"
         self._ready.set()
         try:
             while not self._stop.is_set():

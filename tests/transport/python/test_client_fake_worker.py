@@ -5,6 +5,7 @@ import io
 import json
 import os
 import tempfile
+import threading
 import unittest
 
 import numpy as np
@@ -213,6 +214,22 @@ class ControlTest(FakeWorkerTestCase):
         for method in ("pause", "resume", "flush_cache", "shutdown"):
             self.assertEqual(set(getattr(self.client, method)()),
                              {w.endpoint for w in self.workers})
+
+    def test_wait_ready_waits_for_a_worker_that_binds_later(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            endpoint = f"ipc://{tmp}/late.sock"
+            with VrollClient(endpoint, timeout_s=5, linger_ms=0) as client:
+                late = threading.Timer(0.3, lambda: self.late_workers.append(
+                    FakeWorker(PARAMS, VOCAB, endpoint=endpoint)))
+                self.late_workers = []
+                late.start()
+                try:
+                    health = client.wait_ready(timeout_s=10)
+                    self.assertTrue(health[endpoint]["ok"])
+                finally:
+                    late.join()
+                    for w in self.late_workers:
+                        w.stop()
 
     def test_dead_endpoint_times_out(self):
         client = VrollClient("ipc:///tmp/vroll-no-such-worker-socket", timeout_s=0.2)

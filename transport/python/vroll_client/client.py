@@ -363,6 +363,19 @@ class VrollClient:
         """
         return self._control("health", endpoints, timeout_s)
 
+    def wait_ready(self, timeout_s: float = 120.0,
+                   endpoints: Optional[Sequence[str]] = None) -> Dict[str, Dict[str, Any]]:
+        """Blocks until every worker answers ``health`` with ok true (e.g. after starting them);
+        returns the health replies. A request sent before a worker is up waits in its socket's
+        queue and is delivered when the connection is made, so one request per worker suffices.
+        Raises VrollTimeoutError when a worker has not answered within timeout_s, VrollError
+        when one answers ok false."""
+        health = self.health(endpoints, timeout_s=timeout_s)
+        for endpoint, reply in health.items():
+            if not reply.get("ok", False):
+                raise VrollError(f"{endpoint}: health reports ok = false: {reply}")
+        return health
+
     def stats(self, endpoints: Optional[Sequence[str]] = None,
               timeout_s: Optional[float] = None) -> Dict[str, Dict[str, Any]]:
         """{endpoint: engine stats} (num_running, num_waiting, blocks, prefix_hit_rate,
