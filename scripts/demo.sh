@@ -1,16 +1,19 @@
 #!/usr/bin/env bash
-# README command (1): set up, build and run the main job.
-# Today: text generation with the policy model (stories260K from ../shared when present, else the
-# embedded default model). The GRPO rollout demo replaces this when the worker lands.
+# README command (1): set up, build, and run the main job: GRPO training of a Llama policy whose
+# rollouts come from vroll workers over ZeroMQ. Starts the worker(s), trains for a few minutes
+# (VROLL_DEMO_MINUTES, default 3), and prints where the reward / logprob-gap plots and the JSONL
+# log are. Uses stories260K from ../shared/models when present, else the embedded default model.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/build.sh >&2
 BUILD_DIR=${VROLL_BUILD_DIR:-build}
 MODELS=${VROLL_MODELS:-../shared/models}
+MINUTES=${VROLL_DEMO_MINUTES:-3}
+OUT=${VROLL_DEMO_OUT:-out/grpo}
+ARGS=(--worker-bin "$BUILD_DIR/examples/vroll-worker" --minutes "$MINUTES" --out "$OUT")
 if [ -f "$MODELS/stories260K.bin" ] && [ -f "$MODELS/tok512.bin" ]; then
-  exec "$BUILD_DIR/examples/vroll-generate" --model "$MODELS/stories260K.bin" --tokenizer "$MODELS/tok512.bin" \
-    --prompt "Once upon a time" --temperature 0.8 --max-new-tokens 200 "$@"
+  ARGS+=(--model "$MODELS/stories260K.bin" --tokenizer "$MODELS/tok512.bin")
 else
-  echo "demo: $MODELS/stories260K.bin not found; using the embedded default model" >&2
-  exec "$BUILD_DIR/examples/vroll-generate" --max-new-tokens 100 "$@"
+  echo "demo: $MODELS/stories260K.bin not found; training the embedded default model instead" >&2
 fi
+exec /usr/bin/python3 examples/python/grpo_trainer.py "${ARGS[@]}" "$@"
