@@ -49,6 +49,9 @@ void Client::Connect(const std::string& endpoint, const ClientOptions& options) 
   if (options.timeout_ms <= 0) throw TransportError(fmt::format("timeout_ms = {} must be > 0", options.timeout_ms));
   zmq::socket_t socket(impl_->context, zmq::socket_type::dealer);
   socket.set(zmq::sockopt::linger, options.linger_ms);
+  // Unbounded receive queue: the worker's ROUTER drops replies to a peer whose queue is full,
+  // and a dropped sample would only surface as a timeout.
+  socket.set(zmq::sockopt::rcvhwm, 0);
   socket.set(zmq::sockopt::sndtimeo, static_cast<int>(std::min<int64_t>(options.timeout_ms, std::numeric_limits<int32_t>::max())));
   if (!options.curve_server_key.empty()) {
     CheckZ85Key(options.curve_server_key, "curve_server_key");

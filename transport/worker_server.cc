@@ -893,6 +893,12 @@ WorkerServer::WorkerServer(rollout::Engine& engine, WorkerConfig config)
 WorkerServer::~WorkerServer() {
   impl_->router.close();
   impl_->StopZap();
+  // libzmq leaves a bound ipc:// socket file behind (it removes only those of ipc://*).
+  const std::string ipc = "ipc://";
+  const std::string& endpoint = impl_->bound_endpoint;
+  if (endpoint.rfind(ipc, 0) == 0 && endpoint.size() > ipc.size() && endpoint[ipc.size()] != '@') {
+    ::unlink(endpoint.substr(ipc.size()).c_str());
+  }
 }
 
 void WorkerServer::Run() { impl_->Run(); }

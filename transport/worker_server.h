@@ -85,6 +85,8 @@ class WorkerServer {
   /// Logs the effective config once (logger "transport"). Throws policy::ConfigError for a bad
   /// config and TransportError (curve.h) when the endpoint cannot be bound.
   WorkerServer(rollout::Engine& engine, WorkerConfig config);
+  /// Closes the socket (queued replies get linger_ms), stops the ZAP thread and removes the
+  /// socket file of an ipc:// endpoint.
   ~WorkerServer();
 
   WorkerServer(const WorkerServer&) = delete;
