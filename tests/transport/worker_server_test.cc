@@ -347,60 +347,86 @@ const policy::Checkpoint& NewPolicy() {
   return ckpt;
 }
 
+/// update_begin of every tensor of `weights` (fp32) as `version`.
+UpdateBeginMsg FullBegin(const std::string& id, const std::string& update_id, const policy::WeightMap& weights,
+                         PolicyVersion version) {
+  UpdateBeginMsg begin;
+  begin.id = id;
+  begin.update_id = update_id;
+  begin.manifest.version = version;
+  for (const auto& [name, t] : weights) {
+    const size_t bytes = t.data.size() * sizeof(float);
+    begin.manifest.tensors.push_back(
+        {name, policy::DType::kF32, t.shape, bytes, policy::TensorChecksum(t.data.data(), bytes)});
+  }
+  return begin;
+}
+
+std::string_view BytesOf(const policy::HostTensor& t) {
+  return {reinterpret_cast<const char*>(t.data.data()), t.data.size() * sizeof(float)};
+}
+
 TEST(WorkerServerTest, ATrainerDyingMidUpdateTimesOutAndTheWorkerKeepsItsVersion) {
   WorkerConfig config;
-  config.update_timeout_ms = 300;
+  config.update_timeout_ms = 1000;
   WorkerHarness worker(config);
   const policy::WeightMap& weights = NewPolicy().weights;
   {
     ClientOptions options;
     options.linger_ms = 0;
     auto dying = Connect(worker.endpoint(), options);
-    UpdateBeginMsg begin;
-    begin.id = "begin";
-    begin.update_id = "doomed";
-    begin.manifest.version = 1;
-    for (const auto& [name, t] : weights) {
-      const size_t bytes = t.data.size() * sizeof(float);
-      begin.manifest.tensors.push_back({name, policy::DType::kF32, t.shape, bytes, policy::TensorChecksum(t.data.data(), bytes)});
-    }
-    dying->Send(begin);
+    dying->Send(FullBegin("begin", "doomed", weights, 1));
     EXPECT_EQ(NextAs<UpdateAckMsg>(*dying).stage, UpdateStage::kBegun);
     int num_sent = 0;
     for (const auto& [name, t] : weights) {
       if (num_sent++ == 3) break;
-      dying->Send(UpdateChunkMsg{"chunk", "doomed", name, 0},
-                  {std::string_view(reinterpret_cast<const char*>(t.data.data()), t.data.size() * sizeof(float))});
+      dying->Send(UpdateChunkMsg{"chunk", "doomed", name, 0}, {BytesOf(t)});
     }
     // The worker has the chunks once it answers a later message on the same connection.
     EXPECT_EQ(dying->Health().policy_version, 0u);
   }  // the trainer is gone, its update half staged
 
-  auto client = Connect(worker.endpoint());
-  const std::vector<Request> requests = SeededRequests("during", 2, 4);
-  ExpectSameSamples(client->Generate(requests), InProcess(requests), 0);  // still serving version 0
-
-  // A new trainer is refused (busy) until the worker times the dead update out, then succeeds.
+  // A new trainer is refused (busy) until the worker times the dead update out.
   auto trainer = Connect(worker.endpoint());
   const auto deadline = Clock::now() + std::chrono::milliseconds(kReplyWaitMs);
-  std::optional<UpdateAckMsg> ack;
   int num_busy = 0;
-  while (!ack) {
-    try {
-      ack = trainer->PushWeights(weights, 1);
-    } catch (const WorkerError& e) {
-      ASSERT_EQ(e.code(), ErrorCode::kBusy) << e.what();
-      ++num_busy;
-      ASSERT_LT(Clock::now(), deadline) << "the dead trainer's update was never timed out";
+  std::optional<UpdateAckMsg> begun;
+  UpdateBeginMsg fresh = FullBegin("", "fresh", weights, 1);
+  for (int attempt = 0; !begun; ++attempt) {
+    fresh.id = fmt::format("fresh-{}", attempt);
+    trainer->Send(fresh);
+    WorkerMessage reply = Next(*trainer);
+    if (auto* ack = std::get_if<UpdateAckMsg>(&reply)) {
+      begun = *ack;
+      break;
     }
+    const auto* error = std::get_if<ErrorMsg>(&reply);
+    ASSERT_NE(error, nullptr) << TypeName(reply);
+    ASSERT_EQ(error->code, ErrorCode::kBusy) << error->message;
+    ++num_busy;
+    if (num_busy == 1) {
+      // Meanwhile the worker serves the old version.
+      auto client = Connect(worker.endpoint());
+      const std::vector<Request> requests = SeededRequests("during", 2, 4);
+      ExpectSameSamples(client->Generate(requests), InProcess(requests), 0);
+    }
+    ASSERT_LT(Clock::now(), deadline) << "the dead trainer's update was never timed out";
   }
   EXPECT_GT(num_busy, 0) << "the dead update should have held the worker for update_timeout_ms";
-  EXPECT_EQ(ack->stage, UpdateStage::kApplied);
-  EXPECT_EQ(ack->version, 1u);
-  EXPECT_EQ(ack->weights_checksum, policy::WeightsChecksum(weights));
-  // The dead update is gone for good.
+  EXPECT_EQ(begun->stage, UpdateStage::kBegun);
+  EXPECT_EQ(begun->version, 0u) << "the aborted update must not have changed the version";
+
+  // The dead update is gone for good; the new one completes.
+  auto client = Connect(worker.endpoint());
   client->Send(UpdateCommitMsg{"late", "doomed", true});
   EXPECT_EQ(NextAs<ErrorMsg>(*client).code, ErrorCode::kUnknownUpdate);
+  for (const auto& [name, t] : weights) trainer->Send(UpdateChunkMsg{"chunk", "fresh", name, 0}, {BytesOf(t)});
+  trainer->Send(UpdateCommitMsg{"commit", "fresh", true});
+  const UpdateAckMsg applied = NextAs<UpdateAckMsg>(*trainer);
+  EXPECT_EQ(applied.stage, UpdateStage::kApplied);
+  EXPECT_EQ(applied.version, 1u);
+  EXPECT_EQ(applied.weights_checksum, policy::WeightsChecksum(weights));
+  const std::vector<Request> requests = SeededRequests("after", 2, 4);
   ExpectSameSamples(client->Generate(requests), InProcess(requests, NewPolicy()), 1);
 }
 
