@@ -21,21 +21,25 @@ namespace {
 ///   q:   [group, head_dim] (contiguous)       out: [group, head_dim]
 ///   keys/values of position j at block_base(j) + kv_head * head_dim, stride between positions
 ///   within a block = n_kv * head_dim; `scores` scratch [group, num_keys].
-/// Compiled for several ISAs; the choice depends on the CPU only, never on the batch.
-__attribute__((target_clones("avx512f", "avx2", "default")))
-void AttendRow(const float* q, int group, int head_dim, int num_keys, int block_size, const int32_t* table,
-               const float* k_base, const float* v_base, int64_t block_stride, int64_t token_stride, float scale,
-               float* scores, float* out) {
+/// kD > 0 is head_dim known at compile time (loops unroll and the output row stays in
+/// registers); kD == 0 reads it from `head_dim`. Always inlined into AttendRow's ISA clones.
+template <int kD>
+__attribute__((always_inline)) inline void AttendRowImpl(const float* q, int group, int head_dim, int num_keys,
+                                                         int block_size, const int32_t* table, const float* k_base,
+                                                         const float* v_base, int64_t block_stride,
+                                                         int64_t token_stride, float scale, float* scores,
+                                                         float* out) {
+  const int d_len = kD > 0 ? kD : head_dim;
   for (int j0 = 0, b = 0; j0 < num_keys; j0 += block_size, ++b) {
     const int n = std::min(block_size, num_keys - j0);
     const float* kb = k_base + table[b] * block_stride;
     for (int j = 0; j < n; ++j) {
       const float* kj = kb + j * token_stride;
       for (int g = 0; g < group; ++g) {
-        const float* qg = q + g * head_dim;
+        const float* qg = q + g * d_len;
         float dot = 0;
 #pragma omp simd reduction(+ : dot)
-        for (int d = 0; d < head_dim; ++d) dot += qg[d] * kj[d];
+        for (int d = 0; d < d_len; ++d) dot += qg[d] * kj[d];
         scores[g * num_keys + j0 + j] = dot * scale;
       }
     }
@@ -51,21 +55,61 @@ void AttendRow(const float* q, int group, int head_dim, int num_keys, int block_
     }
     const float inv = 1.0f / sum;
     for (int j = 0; j < num_keys; ++j) s[j] *= inv;
-    std::memset(out + g * head_dim, 0, sizeof(float) * head_dim);
   }
-  for (int j0 = 0, b = 0; j0 < num_keys; j0 += block_size, ++b) {
-    const int n = std::min(block_size, num_keys - j0);
-    const float* vb = v_base + table[b] * block_stride;
-    for (int j = 0; j < n; ++j) {
-      const float* vj = vb + j * token_stride;
-      for (int g = 0; g < group; ++g) {
-        const float w = scores[g * num_keys + j0 + j];
-        float* o = out + g * head_dim;
+  constexpr int kAccLen = kD > 0 ? kD : 1;
+  for (int g = 0; g < group; ++g) {
+    const float* w = scores + g * num_keys;
+    float* o = out + g * d_len;
+    if constexpr (kD > 0) {
+      float acc[kAccLen] = {};  // stays in registers: kD is a compile-time constant
+      for (int j0 = 0, b = 0; j0 < num_keys; j0 += block_size, ++b) {
+        const int n = std::min(block_size, num_keys - j0);
+        const float* vb = v_base + table[b] * block_stride;
+        for (int j = 0; j < n; ++j) {
+          const float wj = w[j0 + j];
+          const float* vj = vb + j * token_stride;
 #pragma omp simd
-        for (int d = 0; d < head_dim; ++d) o[d] += w * vj[d];
+          for (int d = 0; d < kD; ++d) acc[d] += wj * vj[d];
+        }
+      }
+      for (int d = 0; d < kD; ++d) o[d] = acc[d];
+    } else {
+      std::memset(o, 0, sizeof(float) * d_len);
+      for (int j0 = 0, b = 0; j0 < num_keys; j0 += block_size, ++b) {
+        const int n = std::min(block_size, num_keys - j0);
+        const float* vb = v_base + table[b] * block_stride;
+        for (int j = 0; j < n; ++j) {
+          const float wj = w[j0 + j];
+          const float* vj = vb + j * token_stride;
+#pragma omp simd
+          for (int d = 0; d < d_len; ++d) o[d] += wj * vj[d];
+        }
       }
     }
   }
+}
+
+/// Compiled for several ISAs; the choice depends on the CPU only, never on the batch, and the
+/// head-size specialization on the model only.
+__attribute__((target_clones("avx512f", "avx2", "default")))
+void AttendRow(const float* q, int group, int head_dim, int num_keys, int block_size, const int32_t* table,
+               const float* k_base, const float* v_base, int64_t block_stride, int64_t token_stride, float scale,
+               float* scores, float* out) {
+#define VROLL_ATTEND(D)                                                                                   \
+  return AttendRowImpl<D>(q, group, head_dim, num_keys, block_size, table, k_base, v_base, block_stride, \
+                          token_stride, scale, scores, out)
+  switch (head_dim) {
+    case 8: VROLL_ATTEND(8);
+    case 16: VROLL_ATTEND(16);
+    case 32: VROLL_ATTEND(32);
+    case 48: VROLL_ATTEND(48);
+    case 64: VROLL_ATTEND(64);
+    case 80: VROLL_ATTEND(80);
+    case 96: VROLL_ATTEND(96);
+    case 128: VROLL_ATTEND(128);
+    default: VROLL_ATTEND(0);
+  }
+#undef VROLL_ATTEND
 }
 
 }  // namespace

@@ -1,6 +1,7 @@
 #include "policy/blas_setup.h"
 
 #include <dlfcn.h>
+#include <malloc.h>
 #include <sched.h>
 #include <unistd.h>
 
@@ -47,6 +48,10 @@ std::string OpenBlasConfig() {
 }  // namespace
 
 void EnsureFastBlas(int argc, char** argv) {
+  // Engine steps allocate and free activations and logits of up to tens of MB; glibc would hand
+  // them back to the kernel (mmap/munmap, then page faults on every step). Keep them instead.
+  mallopt(M_MMAP_THRESHOLD, 64 << 20);
+  mallopt(M_TRIM_THRESHOLD, 1 << 30);
   if (std::getenv("VROLL_BLAS_REEXEC") != nullptr) return;
   bool changed = false;
   const char* core = nullptr;

@@ -16,7 +16,9 @@ namespace vroll {
 /// (F, BW, VL, DQ, CD) or AVX2+FMA, sets OPENBLAS_CORETYPE to SkylakeX or Haswell; if
 /// OMP_WAIT_POLICY is unset, sets it to PASSIVE (idle OpenMP threads sleep rather than spin,
 /// since a worker shares its cores with a trainer); then re-executes /proc/self/exe with the
-/// same argv (once: VROLL_BLAS_REEXEC marks the second run). Values set by the user are kept. VROLL_BLAS_CORETYPE=auto|none|<name> overrides the choice ("none":
+/// same argv (once: VROLL_BLAS_REEXEC marks the second run). Values set by the user are kept.
+/// Also tells glibc malloc to keep freed blocks of up to 64 MiB (M_MMAP_THRESHOLD,
+/// M_TRIM_THRESHOLD), so that per-step tensors reuse memory instead of faulting in fresh pages. VROLL_BLAS_CORETYPE=auto|none|<name> overrides the choice ("none":
 /// leave OpenBLAS's own detection). Returns normally when no re-exec is needed or execv fails.
 /// Not thread-safe: call before any thread starts.
 void EnsureFastBlas(int argc, char** argv);

@@ -109,7 +109,7 @@ at::Tensor LlamaModel::ApplyRope(const at::Tensor& x, const at::Tensor& cos, con
   return at::cat({x0 * cos - x1 * sin, x1 * cos + x0 * sin}, -1);
 }
 
-at::Tensor LlamaModel::Forward(const ForwardBatch& batch, AttentionBackend& kv) const {
+at::Tensor LlamaModel::Forward(const ForwardBatch& batch, AttentionBackend& kv, at::Tensor* logits_out) const {
   c10::InferenceMode guard;
   const int64_t num_tokens = static_cast<int64_t>(batch.token_ids.size());
   if (num_tokens == 0) throw std::invalid_argument("Forward: batch has no tokens");
@@ -162,6 +162,11 @@ at::Tensor LlamaModel::Forward(const ForwardBatch& batch, AttentionBackend& kv) 
                                   {static_cast<int64_t>(batch.logits_rows.size())}, opts_i32)
                         .to(device_, at::kLong);
   at::Tensor last = RmsNorm(x.index_select(0, rows), final_norm_);
+  if (logits_out != nullptr && last.size(0) >= ModelOptions::kMinGemmRows) {
+    if (!logits_out->defined()) *logits_out = at::empty({0}, last.options());
+    logits_out->resize_({last.size(0), config_.vocab_size});
+    return at::mm_out(*logits_out, last, lm_head_.t());  // [num_logits, vocab], same path as Linear
+  }
   return Linear(last, lm_head_);  // [num_logits, vocab]
 }
 

@@ -53,7 +53,9 @@ class LlamaModel {
   /// tokens are stored by `kv`, which the caller has prepared for this batch (SetStep).
   /// Throws std::invalid_argument on a token id outside [0, vocab_size), a position outside
   /// [0, max_seq_len), or size mismatches.
-  at::Tensor Forward(const ForwardBatch& batch, AttentionBackend& kv) const;
+  /// With `logits_out` (CPU models), the logits are written into it (resized as needed), so a
+  /// caller that keeps it reuses its memory step after step; the same tensor is returned.
+  at::Tensor Forward(const ForwardBatch& batch, AttentionBackend& kv, at::Tensor* logits_out = nullptr) const;
 
   const ModelConfig& config() const { return config_; }
   c10::Device device() const { return device_; }

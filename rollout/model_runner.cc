@@ -19,6 +19,8 @@ struct ModelRunner::Impl {
   cache::PagedKvCache kv;
   bool check;
   at::Tensor logits;  // [num_sampling_rows, vocab], CPU fp32, contiguous
+  // Reused between steps (large: rows x vocab floats), so that steps do not fault in fresh pages.
+  at::Tensor logits_buffer, scaled, logprobs, probs;
   policy::ForwardBatch batch;  // reused between steps
 };
 
@@ -99,7 +101,7 @@ void ModelRunner::Execute(const StepPlan& plan, const cache::KvCacheManager& kv,
     impl_->logits = at::Tensor();
     return;
   }
-  impl_->logits = impl_->model.Forward(batch, impl_->kv).to(at::kCPU).contiguous();
+  impl_->logits = impl_->model.Forward(batch, impl_->kv, &impl_->logits_buffer).to(at::kCPU).contiguous();
 }
 
 std::vector<TokenChoice> ModelRunner::Sample(const std::vector<SamplingTarget>& targets) {
@@ -116,8 +118,19 @@ std::vector<TokenChoice> ModelRunner::Sample(const std::vector<SamplingTarget>& 
   }
   // Vectorized, row-wise kernels: a row's values do not depend on the other rows.
   at::Tensor temps = at::from_blob(temperature.data(), {num_rows, 1}, at::kFloat);
-  at::Tensor logprobs = at::log_softmax(impl_->logits / temps, 1).contiguous();
-  at::Tensor probs = logprobs.exp().contiguous();
+  Impl& m = *impl_;
+  auto reuse = [&](at::Tensor& t) {
+    if (!t.defined()) t = at::empty({0}, at::kFloat);
+    t.resize_({num_rows, vocab});
+  };
+  reuse(m.scaled);
+  reuse(m.logprobs);
+  reuse(m.probs);
+  at::div_out(m.scaled, m.logits, temps);
+  at::_log_softmax_out(m.logprobs, m.scaled, 1, /*half_to_float=*/false);
+  at::exp_out(m.probs, m.logprobs);
+  const at::Tensor& logprobs = m.logprobs;
+  const at::Tensor& probs = m.probs;
   const float* logits_ptr = impl_->logits.data_ptr<float>();
   const float* logprobs_ptr = logprobs.data_ptr<float>();
   const float* probs_ptr = probs.data_ptr<float>();
