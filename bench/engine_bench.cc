@@ -134,6 +134,16 @@ int main(int argc, char** argv) {
                   100 * gflops / blas.gemm_gflops, static_cast<long>(r.stats.num_steps));
       std::fflush(stdout);
       csv << name << "," << b << "," << tps << "," << gflops << "," << gflops / blas.gemm_gflops << "\n";
+      if (b < 32) {  // what batch invariance (GEMMs padded to 32 rows) costs at small batches
+        config.batch_invariant = false;
+        const RunResult v =
+            Run(ckpt, config, MakeRequests(b, 1, prompt_len, new_tokens, ckpt.config.vocab_size, 1, 1.0));
+        const double vtps = v.generated / v.seconds;
+        std::printf("| %s (batch invariance off) | %d | %.0f | %.1f | %.0f%% | %ld |\n", name.c_str(), b, vtps,
+                    vtps * FlopsPerToken(ckpt.config, prompt_len + new_tokens / 2.0) / 1e9,
+                    100 * vtps * FlopsPerToken(ckpt.config, prompt_len + new_tokens / 2.0) / 1e9 / blas.gemm_gflops,
+                    static_cast<long>(v.stats.num_steps));
+      }
     }
   }
 

@@ -65,8 +65,9 @@ Engine::Engine(const policy::Checkpoint& checkpoint, const EngineConfig& config)
                                           config_.kv_cache_bytes, num_blocks64, bytes_per_block));
   }
   const int num_blocks = static_cast<int>(std::min<int64_t>(num_blocks64, 1 << 30));
-  runner_ = std::make_unique<ModelRunner>(checkpoint, ModelRunnerConfig{num_blocks, config_.block_size,
-                                                                        config_.check_block_versions});
+  runner_ = std::make_unique<ModelRunner>(
+      checkpoint, ModelRunnerConfig{num_blocks, config_.block_size, config_.check_block_versions,
+                                    config_.batch_invariant});
   cache::KvCacheConfig kv_config;
   kv_config.num_blocks = num_blocks;
   kv_config.block_size = config_.block_size;

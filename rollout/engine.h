@@ -38,6 +38,10 @@ struct EngineConfig {
   int max_pending_requests = 4096;
   uint64_t seed = 0;  ///< draws the seeds of requests that carry none
   bool check_block_versions = false;  ///< see ModelRunnerConfig; on in tests
+  /// Bitwise batch-invariant outputs (policy::ModelOptions::batch_invariant): every GEMM runs on
+  /// at least 32 rows. Off, single-sequence steps of large-vocabulary models are faster, and a
+  /// sample's logits may differ in the last bits depending on what else is in the step.
+  bool batch_invariant = true;
 
   /// Throws policy::ConfigError naming the field.
   void Validate() const;

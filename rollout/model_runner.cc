@@ -11,9 +11,17 @@
 
 namespace vroll::rollout {
 
+namespace {
+policy::ModelOptions MakeOptions(const ModelRunnerConfig& config) {
+  policy::ModelOptions options;
+  options.batch_invariant = config.batch_invariant;
+  return options;
+}
+}  // namespace
+
 struct ModelRunner::Impl {
   Impl(const policy::Checkpoint& checkpoint, const ModelRunnerConfig& config)
-      : model(checkpoint), kv(model.config(), config.num_blocks, config.block_size), check(config.check_block_versions) {}
+      : model(checkpoint, MakeOptions(config)), kv(model.config(), config.num_blocks, config.block_size), check(config.check_block_versions) {}
 
   policy::LlamaModel model;
   cache::PagedKvCache kv;

@@ -21,6 +21,8 @@ struct ModelRunnerConfig {
   /// Abort (naming the block) when a step reads a KV block stamped with another policy version
   /// than the step's. Costs a pass over the block tables per step; on in tests.
   bool check_block_versions = false;
+  /// See policy::ModelOptions::batch_invariant.
+  bool batch_invariant = true;
 };
 
 /// Not thread-safe: the engine thread owns it.
