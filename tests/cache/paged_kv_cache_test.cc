@@ -13,16 +13,15 @@
 #include "policy/contiguous_kv_cache.h"
 #include "policy/default_model.h"
 #include "policy/llama_model.h"
+#include "tests/support/comparisons.h"
+#include "tests/support/model_oracles.h"
 
 namespace vroll::cache {
 namespace {
 
 using policy::ContiguousKvCache;
 using policy::ModelConfig;
-
-double MaxRelDiff(const at::Tensor& a, const at::Tensor& b) {
-  return ((a - b).abs().max() / b.abs().max()).item<double>();
-}
+using vroll::testing::MaxRelDiff;
 
 class PagedAttentionTest : public ::testing::TestWithParam<int> {};
 
@@ -124,27 +123,20 @@ TEST(PagedKvCacheTest, ModelForwardOverPagedCacheEqualsContiguous) {
   const std::vector<std::vector<policy::TokenId>> seqs = {{1, 10, 20, 30, 40, 50, 60}, {1, 7}, {1, 9, 9, 9, 9}};
   ContiguousKvCache contiguous(model.config(), 3);
   PagedKvCache paged(model.config(), 16, 2);
-  policy::ForwardBatch batch;
-  PagedStepLayout layout{{0}, {}, {0}, {}};
-  std::vector<int> query_start = {0}, context;
+  const vroll::testing::PackedSequences packed = vroll::testing::PackSequences(seqs);
+  PagedStepLayout layout;
+  layout.query_start.assign(packed.query_start.begin(), packed.query_start.end());
+  layout.context_lens.assign(packed.context_lens.begin(), packed.context_lens.end());
+  layout.block_table_start = {0};
   int32_t next_block = 15;  // hand out blocks from the top, so tables are not the identity
   for (const auto& s : seqs) {
-    for (size_t i = 0; i < s.size(); ++i) {
-      batch.logits_rows.push_back(static_cast<int32_t>(batch.token_ids.size()));
-      batch.token_ids.push_back(s[i]);
-      batch.positions.push_back(static_cast<int32_t>(i));
-    }
-    query_start.push_back(static_cast<int>(batch.token_ids.size()));
-    context.push_back(static_cast<int>(s.size()));
-    layout.query_start.push_back(query_start.back());
-    layout.context_lens.push_back(context.back());
     for (size_t b = 0; b * 2 < s.size(); ++b) layout.block_ids.push_back(next_block--);
     layout.block_table_start.push_back(static_cast<int32_t>(layout.block_ids.size()));
   }
-  contiguous.SetStep({0, 1, 2}, query_start, context);
+  contiguous.SetStep({0, 1, 2}, packed.query_start, packed.context_lens);
   paged.SetStep(layout);
-  const at::Tensor want = model.Forward(batch, contiguous);
-  const at::Tensor got = model.Forward(batch, paged);
+  const at::Tensor want = model.Forward(packed.batch, contiguous);
+  const at::Tensor got = model.Forward(packed.batch, paged);
   EXPECT_LE(MaxRelDiff(got, want), 1e-5);
 }
 

@@ -6,17 +6,13 @@
 // writer under test.
 #include "policy/hf_loader.h"
 
-#include <unistd.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
 #include <functional>
-#include <iterator>
 #include <map>
 #include <string>
 #include <utility>
@@ -28,92 +24,31 @@
 #include <fmt/ranges.h>
 #include <gtest/gtest.h>
 
-#include "policy/contiguous_kv_cache.h"
 #include "policy/default_model.h"
 #include "policy/errors.h"
 #include "policy/llama2c_loader.h"
 #include "policy/llama_model.h"
 #include "policy/weight_update.h"
+#include "tests/support/comparisons.h"
+#include "tests/support/model_oracles.h"
+#include "tests/support/reference_data.h"
 #include "tests/support/test_paths.h"
 
 namespace vroll::policy {
 namespace {
 
 namespace fs = std::filesystem;
+using vroll::testing::BitEqual;
+using vroll::testing::FullForward;
+using vroll::testing::GreedyDecode;
+using vroll::testing::MaxRelDiff;
+using vroll::testing::ReadBytes;
+using vroll::testing::ReferenceGreedyIds;
 using vroll::testing::SharedPath;
+using vroll::testing::WriteBytes;
 
 // ---------------------------------------------------------------------------------------------
 // Helpers.
-
-std::string ReadBytes(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  EXPECT_TRUE(in) << path;
-  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
-}
-
-void WriteBytes(const std::string& path, const std::string& bytes) {
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
-  ASSERT_TRUE(out) << path;
-}
-
-// True when both maps hold the same names, shapes and bit patterns.
-bool BitEqual(const WeightMap& a, const WeightMap& b) {
-  if (a.size() != b.size()) return false;
-  for (const auto& [name, t] : a) {
-    const auto it = b.find(name);
-    if (it == b.end() || it->second.shape != t.shape || it->second.data.size() != t.data.size()) return false;
-    if (std::memcmp(t.data.data(), it->second.data.data(), t.data.size() * sizeof(float)) != 0) return false;
-  }
-  return true;
-}
-
-/// Greedy decoding one token per step through a ContiguousKvCache, from `prompt`.
-std::vector<TokenId> GreedyDecode(const LlamaModel& model, std::vector<TokenId> prompt, int num_new) {
-  ContiguousKvCache kv(model.config(), 1);
-  ForwardBatch batch;
-  for (size_t i = 0; i < prompt.size(); ++i) {
-    batch.token_ids.push_back(prompt[i]);
-    batch.positions.push_back(static_cast<int32_t>(i));
-  }
-  std::vector<TokenId> out;
-  int context = static_cast<int>(prompt.size());
-  for (int step = 0; step < num_new; ++step) {
-    const int n_new = static_cast<int>(batch.token_ids.size());
-    batch.logits_rows = {n_new - 1};
-    kv.SetStep({0}, {0, n_new}, {context});
-    const at::Tensor logits = model.Forward(batch, kv);
-    const TokenId next = static_cast<TokenId>(logits[0].argmax().item<int64_t>());
-    out.push_back(next);
-    batch.token_ids = {next};
-    batch.positions = {context};
-    ++context;
-  }
-  return out;
-}
-
-/// Logits [tokens.size(), vocab] for every position of `tokens`, in one full-sequence forward.
-at::Tensor FullForward(const LlamaModel& model, const std::vector<TokenId>& tokens) {
-  ContiguousKvCache kv(model.config(), 1);
-  ForwardBatch batch;
-  for (size_t i = 0; i < tokens.size(); ++i) {
-    batch.token_ids.push_back(tokens[i]);
-    batch.positions.push_back(static_cast<int32_t>(i));
-    batch.logits_rows.push_back(static_cast<int32_t>(i));
-  }
-  const int n = static_cast<int>(tokens.size());
-  kv.SetStep({0}, {0, n}, {n});
-  return model.Forward(batch, kv);
-}
-
-/// The 200 chosen ids of the reference greedy run (run.c, temperature 0, from BOS).
-std::vector<TokenId> ReferenceIds() {
-  std::vector<TokenId> ids;
-  std::ifstream in(SharedPath("reference/stories260K_greedy_n200_ids.txt"));
-  int step, input, chosen;
-  while (in >> step >> input >> chosen) ids.push_back(chosen);
-  return ids;
-}
 
 /// transformers' convert_llama_weights_to_hf.py permute(), in LibTorch:
 /// w.view(heads, rows / heads / 2, 2, cols).transpose(1, 2).reshape(rows, cols). A bias is a
@@ -217,12 +152,7 @@ std::string ConfigText(const ConfigFields& fields) {
 
 class HfLoaderTest : public ::testing::Test {
  protected:
-  void SetUp() override {
-    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-    dir_ = fs::temp_directory_path() / (std::string("vroll_hf_test_") + std::to_string(getpid()) + "_" + info->name());
-    fs::remove_all(dir_);
-    fs::create_directories(dir_);
-  }
+  void SetUp() override { dir_ = testing::MakeTestDir("vroll_hf_test_"); }
   void TearDown() override { fs::remove_all(dir_); }
 
   std::string Dir() const { return dir_.string(); }
@@ -302,7 +232,7 @@ TEST_F(HfLoaderTest, Stories260KF32ReproducesReferenceGreedyIds) {
   EXPECT_NE(hf.weights.at("model.layers.0.self_attn.q_proj.weight").data,
             llama2c.weights.at("model.layers.0.self_attn.q_proj.weight").data);
 
-  const std::vector<TokenId> want = ReferenceIds();
+  const std::vector<TokenId> want = ReferenceGreedyIds();
   ASSERT_EQ(want.size(), 200u);
   EXPECT_EQ(GreedyDecode(LlamaModel(hf), {Tokenizer::kBos}, 200), want);
 }
@@ -338,7 +268,7 @@ TEST_F(HfLoaderTest, Stories260KShardedBf16StaysCloseToF32) {
   // the first 185 ids equal), so only the teacher-forced figures are asserted.
   const LlamaModel model_f32(f32), model_bf16(bf16);
   std::vector<TokenId> tokens = {Tokenizer::kBos};
-  const std::vector<TokenId> reference = ReferenceIds();
+  const std::vector<TokenId> reference = ReferenceGreedyIds();
   tokens.insert(tokens.end(), reference.begin(), reference.end() - 1);  // 200 positions
   const at::Tensor logits_f32 = FullForward(model_f32, tokens), logits_bf16 = FullForward(model_bf16, tokens);
   const double max_abs = logits_f32.abs().max().item<double>();
@@ -496,7 +426,7 @@ TEST_F(HfLoaderTest, PermuteForHalfSplitRopeMatchesTransformersAndKeepsTheLogits
   const std::vector<TokenId> tokens = {1, 2, 3, 50, 60, 70, 80, 90, 91, 92};
   const at::Tensor a = FullForward(LlamaModel(interleaved), tokens);
   const at::Tensor b = FullForward(LlamaModel(half), tokens);
-  EXPECT_LE(((b - a).abs().max() / a.abs().max()).item<double>(), 1e-5);
+  EXPECT_LE(MaxRelDiff(b, a), 1e-5);
   EXPECT_THROW(PermuteForHalfSplitRope(half), ConfigError);
   EXPECT_THROW(SaveHfCheckpoint(interleaved, Dir()), ConfigError);
 }

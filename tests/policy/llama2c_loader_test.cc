@@ -3,13 +3,9 @@
 // hand from the documented layout, and corrupt files made by patching bytes.
 #include "policy/llama2c_loader.h"
 
-#include <unistd.h>
-
 #include <cstdint>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
-#include <iterator>
 #include <limits>
 #include <random>
 #include <string>
@@ -19,24 +15,17 @@
 
 #include "policy/errors.h"
 #include "policy/tokenizer.h"
+#include "tests/support/comparisons.h"
+#include "tests/support/reference_data.h"
 #include "tests/support/test_paths.h"
 
 namespace vroll::policy {
 namespace {
 
 namespace fs = std::filesystem;
-
-std::string ReadBytes(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  EXPECT_TRUE(in) << path;
-  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
-}
-
-void WriteBytes(const std::string& path, const std::string& bytes) {
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
-  ASSERT_TRUE(out) << path;
-}
+using vroll::testing::BitEqual;
+using vroll::testing::ReadBytes;
+using vroll::testing::WriteBytes;
 
 float FloatAt(const std::string& bytes, int64_t byte_offset) {
   float value;
@@ -46,17 +35,6 @@ float FloatAt(const std::string& bytes, int64_t byte_offset) {
 
 void PatchInt32(std::string* bytes, int64_t byte_offset, int32_t value) {
   std::memcpy(bytes->data() + byte_offset, &value, sizeof(value));
-}
-
-// True when both maps hold the same names, shapes and bit patterns (NaN-safe).
-bool BitEqual(const WeightMap& a, const WeightMap& b) {
-  if (a.size() != b.size()) return false;
-  for (const auto& [name, t] : a) {
-    const auto it = b.find(name);
-    if (it == b.end() || it->second.shape != t.shape || it->second.data.size() != t.data.size()) return false;
-    if (std::memcmp(t.data.data(), it->second.data.data(), t.data.size() * sizeof(float)) != 0) return false;
-  }
-  return true;
 }
 
 // stories260K float offsets (after the 7-int header), from SOURCES.md: dim 64, hidden 172,
@@ -79,13 +57,7 @@ constexpr int64_t Byte(int64_t float_offset) { return 28 + 4 * float_offset; }
 
 class Llama2cFilesTest : public ::testing::Test {
  protected:
-  void SetUp() override {
-    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-    dir_ = fs::temp_directory_path() /
-           (std::string("vroll_policy_test_") + std::to_string(getpid()) + "_" + info->name());
-    fs::remove_all(dir_);
-    fs::create_directories(dir_);
-  }
+  void SetUp() override { dir_ = testing::MakeTestDir("vroll_policy_test_"); }
   void TearDown() override { fs::remove_all(dir_); }
 
   std::string TempPath(const std::string& name) const { return (dir_ / name).string(); }

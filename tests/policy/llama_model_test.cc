@@ -2,8 +2,8 @@
 // ids and text for stories260K, full-sequence vs incremental forward, and algebraic identities
 // between RoPE layouts and between GQA and its expanded multi-head equivalent.
 
-#include <fstream>
-#include <sstream>
+#include <string>
+#include <vector>
 
 #include <ATen/ATen.h>
 #include <c10/core/InferenceMode.h>
@@ -14,61 +14,21 @@
 #include "policy/llama2c_loader.h"
 #include "policy/llama_model.h"
 #include "policy/tokenizer.h"
+#include "tests/support/comparisons.h"
+#include "tests/support/model_oracles.h"
+#include "tests/support/reference_data.h"
 #include "tests/support/test_paths.h"
 
 namespace vroll::policy {
 namespace {
 
+using vroll::testing::FullForward;
+using vroll::testing::GreedyDecode;
+using vroll::testing::MaxRelDiff;
+using vroll::testing::PackSequences;
+using vroll::testing::ReadBytes;
+using vroll::testing::ReferenceGreedyIds;
 using vroll::testing::SharedPath;
-
-std::string ReadFile(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
-
-/// Greedy decoding one token per step through a ContiguousKvCache, from `prompt`.
-std::vector<TokenId> GreedyDecode(const LlamaModel& model, std::vector<TokenId> prompt, int num_new) {
-  ContiguousKvCache kv(model.config(), 1);
-  ForwardBatch batch;
-  for (size_t i = 0; i < prompt.size(); ++i) {
-    batch.token_ids.push_back(prompt[i]);
-    batch.positions.push_back(static_cast<int32_t>(i));
-  }
-  std::vector<TokenId> out;
-  int context = static_cast<int>(prompt.size());
-  for (int step = 0; step < num_new; ++step) {
-    const int n_new = static_cast<int>(batch.token_ids.size());
-    batch.logits_rows = {n_new - 1};
-    kv.SetStep({0}, {0, n_new}, {context});
-    at::Tensor logits = model.Forward(batch, kv);
-    const TokenId next = static_cast<TokenId>(logits[0].argmax().item<int64_t>());
-    out.push_back(next);
-    batch.token_ids = {next};
-    batch.positions = {context};
-    ++context;
-  }
-  return out;
-}
-
-/// Logits for every position of `tokens`, computed in one full-sequence forward.
-at::Tensor FullForward(const LlamaModel& model, const std::vector<TokenId>& tokens) {
-  ContiguousKvCache kv(model.config(), 1);
-  ForwardBatch batch;
-  for (size_t i = 0; i < tokens.size(); ++i) {
-    batch.token_ids.push_back(tokens[i]);
-    batch.positions.push_back(static_cast<int32_t>(i));
-    batch.logits_rows.push_back(static_cast<int32_t>(i));
-  }
-  const int n = static_cast<int>(tokens.size());
-  kv.SetStep({0}, {0, n}, {n});
-  return model.Forward(batch, kv);
-}
-
-double MaxRelDiff(const at::Tensor& a, const at::Tensor& b) {
-  return ((a - b).abs().max() / b.abs().max()).item<double>();
-}
 
 TEST(LlamaModelTest, Stories260KGreedyMatchesReferenceIdsAndText) {
   VROLL_REQUIRE_SHARED();
@@ -76,10 +36,7 @@ TEST(LlamaModelTest, Stories260KGreedyMatchesReferenceIdsAndText) {
   const Tokenizer tok = Tokenizer::LoadLlama2c(SharedPath("models/tok512.bin"), ckpt.config.vocab_size);
   LlamaModel model(ckpt);
 
-  std::vector<TokenId> want;
-  std::ifstream ids(SharedPath("reference/stories260K_greedy_n200_ids.txt"));
-  int step, input, chosen;
-  while (ids >> step >> input >> chosen) want.push_back(chosen);
+  const std::vector<TokenId> want = ReferenceGreedyIds();
   ASSERT_EQ(want.size(), 200u);
 
   const std::vector<TokenId> got = GreedyDecode(model, {Tokenizer::kBos}, 200);
@@ -92,7 +49,7 @@ TEST(LlamaModelTest, Stories260KGreedyMatchesReferenceIdsAndText) {
     prev = t;
   }
   // run.c prints a final "\n" after the generated text; the reference file keeps it.
-  EXPECT_EQ(text + "\n", ReadFile(SharedPath("reference/stories260K_greedy_n200.txt")));
+  EXPECT_EQ(text + "\n", ReadBytes(SharedPath("reference/stories260K_greedy_n200.txt")));
 }
 
 TEST(LlamaModelTest, IncrementalLogitsEqualFullSequenceForward) {
@@ -134,19 +91,9 @@ TEST(LlamaModelTest, BatchOfSequencesAtDifferentPositionsEqualsEachAlone) {
   for (const auto& s : seqs) alone.push_back(FullForward(model, s));
   // Together: one packed batch, three slots.
   ContiguousKvCache kv(model.config(), 3);
-  ForwardBatch b;
-  std::vector<int> query_start = {0}, context;
-  for (const auto& s : seqs) {
-    for (size_t i = 0; i < s.size(); ++i) {
-      b.logits_rows.push_back(static_cast<int32_t>(b.token_ids.size()));
-      b.token_ids.push_back(s[i]);
-      b.positions.push_back(static_cast<int32_t>(i));
-    }
-    query_start.push_back(static_cast<int>(b.token_ids.size()));
-    context.push_back(static_cast<int>(s.size()));
-  }
-  kv.SetStep({0, 1, 2}, query_start, context);
-  const at::Tensor together = model.Forward(b, kv);
+  const vroll::testing::PackedSequences packed = PackSequences(seqs);
+  kv.SetStep({0, 1, 2}, packed.query_start, packed.context_lens);
+  const at::Tensor together = model.Forward(packed.batch, kv);
   EXPECT_LE(MaxRelDiff(together, at::cat(alone)), 1e-5);
 }
 

@@ -3,7 +3,6 @@
 #include "policy/tokenizer.h"
 
 #include <fstream>
-#include <iterator>
 #include <random>
 #include <sstream>
 #include <stdexcept>
@@ -13,6 +12,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include "tests/support/reference_data.h"
 #include "tests/support/test_paths.h"
 
 namespace vroll::policy {
@@ -20,14 +20,9 @@ namespace {
 
 using ::testing::ElementsAre;
 using ::testing::ElementsAreArray;
+using vroll::testing::ReadBytes;
 
 constexpr TokenId kSpace = 410;  // tok512's " " piece: the dummy prefix
-
-std::string ReadFile(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  EXPECT_TRUE(in) << path;
-  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
-}
 
 Tokenizer LoadTok512() { return Tokenizer::LoadLlama2c(testing::SharedPath("models/tok512.bin"), 512); }
 
@@ -107,7 +102,7 @@ TEST(TokenizerTest, DecodeInvertsEncode) {
       "h\u00e9llo w\u00f6rld \u2713 \u65e5\u672c \U0001F642 \u0416\u0436",
       std::string("embedded\0nul", 12),
       "\x80\x80" "abc\xc3",
-      ReadFile(testing::SharedPath("reference/stories260K_greedy_n200.txt")),
+      ReadBytes(testing::SharedPath("reference/stories260K_greedy_n200.txt")),
   };
   for (const std::string& text : texts) {
     const std::vector<TokenId> ids = tok.Encode(text, /*add_bos=*/true, /*add_eos=*/false);
@@ -140,7 +135,7 @@ TEST(TokenizerTest, DecodesReferenceGreedyRunByteForByte) {
   }
   ASSERT_EQ(chosen.size(), 200u);
 
-  const std::string expected = ReadFile(testing::SharedPath("reference/stories260K_greedy_n200.txt"));
+  const std::string expected = ReadBytes(testing::SharedPath("reference/stories260K_greedy_n200.txt"));
   ASSERT_EQ(expected.size(), 465u);
   ASSERT_EQ(expected.back(), '\n');
   EXPECT_EQ(tok.Decode(chosen) + "\n", expected);

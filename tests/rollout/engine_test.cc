@@ -8,16 +8,12 @@
 #include <set>
 #include <thread>
 
-#include <ATen/ATen.h>
-#include <c10/core/InferenceMode.h>
 #include <gtest/gtest.h>
 
-#include "policy/contiguous_kv_cache.h"
 #include "policy/default_model.h"
 #include "policy/llama2c_loader.h"
-#include "policy/llama_model.h"
 #include "rollout/engine.h"
-#include "rollout/sampler.h"
+#include "tests/support/model_oracles.h"
 #include "tests/support/test_paths.h"
 
 namespace vroll::rollout {
@@ -25,6 +21,7 @@ namespace {
 
 using policy::Checkpoint;
 using policy::TokenId;
+using vroll::testing::RecomputeLogprobs;
 
 const Checkpoint& Stories() {
   static const Checkpoint ckpt = policy::LoadLlama2cCheckpoint(testing::SharedPath("models/stories260K.bin"));
@@ -59,31 +56,6 @@ EngineConfig SmallConfig() {
   c.kv_cache_bytes = 64 << 20;
   c.check_block_versions = true;
   return c;
-}
-
-/// log_softmax(logits / T)[token] for every output token, from ONE full-sequence forward of
-/// prompt + output through the contiguous cache: an independent recompute.
-std::vector<float> RecomputeLogprobs(const Checkpoint& ckpt, const std::vector<TokenId>& prompt,
-                                     const std::vector<TokenId>& output, double temperature) {
-  c10::InferenceMode guard;
-  policy::LlamaModel model(ckpt);
-  std::vector<TokenId> all = prompt;
-  all.insert(all.end(), output.begin(), output.end());
-  all.pop_back();  // the last output token is never an input
-  policy::ContiguousKvCache kv(model.config(), 1);
-  policy::ForwardBatch b;
-  for (size_t i = 0; i < all.size(); ++i) {
-    b.token_ids.push_back(all[i]);
-    b.positions.push_back(static_cast<int32_t>(i));
-  }
-  for (size_t i = prompt.size() - 1; i < all.size(); ++i) b.logits_rows.push_back(static_cast<int32_t>(i));
-  kv.SetStep({0}, {0, static_cast<int>(all.size())}, {static_cast<int>(all.size())});
-  at::Tensor logits = model.Forward(b, kv).contiguous();
-  std::vector<float> out;
-  for (size_t i = 0; i < output.size(); ++i) {
-    out.push_back(TokenLogprob(logits[i].data_ptr<float>(), model.config().vocab_size, temperature, output[i]));
-  }
-  return out;
 }
 
 TEST(EngineTest, BatchedGreedyEqualsEachPromptDecodedAlone) {

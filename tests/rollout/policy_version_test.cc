@@ -13,15 +13,12 @@
 #include <thread>
 #include <unistd.h>
 
-#include <ATen/ATen.h>
-#include <c10/core/InferenceMode.h>
 #include <gtest/gtest.h>
 
-#include "policy/contiguous_kv_cache.h"
 #include "policy/default_model.h"
-#include "policy/llama_model.h"
 #include "rollout/engine.h"
-#include "rollout/sampler.h"
+#include "tests/support/comparisons.h"
+#include "tests/support/model_oracles.h"
 
 namespace vroll::rollout {
 namespace {
@@ -29,6 +26,7 @@ namespace {
 using policy::Checkpoint;
 using policy::TokenId;
 using policy::WeightMap;
+using vroll::testing::MaxAbsDiff;
 
 /// The default model's weights plus N(0, scale^2) noise (norms included), seeded.
 WeightMap Perturbed(const Checkpoint& base, uint64_t seed, float scale = 0.02f) {
@@ -41,36 +39,11 @@ WeightMap Perturbed(const Checkpoint& base, uint64_t seed, float scale = 0.02f) 
   return w;
 }
 
-/// log_softmax(logits / T)[token] for each output token, from one full-sequence forward of a
-/// fresh model built from `weights`: independent of the engine's paged path and its caches.
+/// testing::RecomputeLogprobs with a fresh model built from `weights` on `base`'s config:
+/// independent of the engine's paged path and its caches.
 std::vector<float> Recompute(const Checkpoint& base, const WeightMap& weights, const std::vector<TokenId>& prompt,
                              const std::vector<TokenId>& output, double temperature) {
-  c10::InferenceMode guard;
-  Checkpoint ckpt{base.config, weights};
-  policy::LlamaModel model(ckpt);
-  std::vector<TokenId> all = prompt;
-  all.insert(all.end(), output.begin(), output.end());
-  all.pop_back();
-  policy::ContiguousKvCache kv(model.config(), 1);
-  policy::ForwardBatch b;
-  for (size_t i = 0; i < all.size(); ++i) {
-    b.token_ids.push_back(all[i]);
-    b.positions.push_back(static_cast<int32_t>(i));
-  }
-  for (size_t i = prompt.size() - 1; i < all.size(); ++i) b.logits_rows.push_back(static_cast<int32_t>(i));
-  kv.SetStep({0}, {0, static_cast<int>(all.size())}, {static_cast<int>(all.size())});
-  at::Tensor logits = model.Forward(b, kv).contiguous();
-  std::vector<float> out;
-  for (size_t i = 0; i < output.size(); ++i) {
-    out.push_back(TokenLogprob(logits[i].data_ptr<float>(), model.config().vocab_size, temperature, output[i]));
-  }
-  return out;
-}
-
-double MaxAbsDiff(const std::vector<float>& a, const std::vector<float>& b) {
-  double m = 0;
-  for (size_t i = 0; i < a.size(); ++i) m = std::max(m, std::abs(double(a[i]) - b[i]));
-  return m;
+  return vroll::testing::RecomputeLogprobs(Checkpoint{base.config, weights}, prompt, output, temperature);
 }
 
 Request MakeRequest(const std::string& id, std::vector<TokenId> prompt, int max_new, double temperature = 1.0,

@@ -1,7 +1,11 @@
 #include "tests/support/test_paths.h"
 
+#include <unistd.h>
+
 #include <cstdlib>
 #include <filesystem>
+
+#include <gtest/gtest.h>
 
 namespace vroll::testing {
 
@@ -12,5 +16,14 @@ std::string SharedPath(const std::string& relative) {
 }
 
 bool HaveSharedModels() { return std::filesystem::exists(SharedPath("models/stories260K.bin")); }
+
+std::filesystem::path MakeTestDir(const std::string& prefix) {
+  namespace fs = std::filesystem;
+  const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+  const fs::path dir = fs::temp_directory_path() / (prefix + std::to_string(getpid()) + "_" + info->name());
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  return dir;
+}
 
 }  // namespace vroll::testing

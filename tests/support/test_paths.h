@@ -1,6 +1,8 @@
 #pragma once
-// Paths to the real test inputs in ../shared (beside the checkout; CI has it).
+// Paths to the real test inputs in ../shared (beside the checkout; CI has it), and scratch
+// directories for tests that write files.
 
+#include <filesystem>
 #include <string>
 
 namespace vroll::testing {
@@ -12,6 +14,13 @@ std::string SharedPath(const std::string& relative);
 /// True when ../shared/models/stories260K.bin exists. Tests that need it call
 /// VROLL_REQUIRE_SHARED() first, which skips them (with a message) on a machine without it.
 bool HaveSharedModels();
+
+/// Creates an empty directory for the running test and returns its path:
+/// temp_directory_path() / (prefix + pid + "_" + test name), after removing whatever an earlier
+/// run left there. Call it from a fixture's SetUp(); the caller removes the directory
+/// (std::filesystem::remove_all in TearDown()). Throws std::filesystem::filesystem_error when
+/// it cannot be created.
+std::filesystem::path MakeTestDir(const std::string& prefix);
 
 }  // namespace vroll::testing
 
