@@ -80,7 +80,10 @@ int main(int argc, char** argv) {
     params.include_stop_token = false;
     params.Validate(ckpt.config.vocab_size);
 
-    vroll::policy::LlamaModel model(ckpt, {c10::Device(device_name)});
+    vroll::policy::ModelOptions options;
+    options.device = c10::Device(device_name);
+    options.batch_invariant = false;  // one sequence: nothing to be invariant to
+    vroll::policy::LlamaModel model(ckpt, options);
     vroll::policy::ContiguousKvCache kv(model.config(), /*num_slots=*/1, model.device());
     std::vector<TokenId> tokens = tokenizer->Encode(prompt, /*add_bos=*/true, /*add_eos=*/false);
     const int max_len = model.config().max_seq_len;
