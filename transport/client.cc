@@ -2,7 +2,10 @@
 
 #include <algorithm>
 #include <chrono>
+#include <condition_variable>
+#include <cstdlib>
 #include <limits>
+#include <mutex>
 #include <random>
 #include <tuple>
 #include <unordered_map>
@@ -29,11 +32,69 @@ Reply Expect(WorkerMessage message, const char* what) {
   throw TransportError(fmt::format("unexpected {} reply to {}", TypeName(message), what));
 }
 
+/// Counts the update_chunk frames ZeroMQ holds without a copy: each points into the caller's
+/// tensor bytes until ZeroMQ calls Release (on its I/O thread once the frame is written, or when
+/// the socket is closed and the frame dropped). PushWeights returns only when none is held, so
+/// its callers may free their tensors as soon as it returns.
+///
+/// Thread safety: Borrow and WaitNoneHeld on the client's thread; Release on any thread.
+class BorrowedFrames {
+ public:
+  /// A frame of `size` bytes at `data`, not copied: `data` must stay valid until none is held.
+  zmq::message_t Borrow(const char* data, size_t size) {
+    zmq::message_t frame(const_cast<char*>(data), size, &BorrowedFrames::Release, this);
+    std::lock_guard<std::mutex> lock(mu_);
+    ++num_held_;
+    return frame;
+  }
+
+  /// Waits until ZeroMQ holds no borrowed frame; false when some still are after `timeout_ms`.
+  bool WaitNoneHeld(int64_t timeout_ms) {
+    std::unique_lock<std::mutex> lock(mu_);
+    return cv_.wait_for(lock, std::chrono::milliseconds(timeout_ms), [this] { return num_held_ == 0; });
+  }
+
+  int64_t num_held() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return num_held_;
+  }
+
+ private:
+  static void Release(void* /*data*/, void* hint) {
+    auto* self = static_cast<BorrowedFrames*>(hint);
+    {
+      std::lock_guard<std::mutex> lock(self->mu_);
+      --self->num_held_;
+    }
+    self->cv_.notify_all();
+  }
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  int64_t num_held_ = 0;  // guarded by mu_
+};
+
 }  // namespace
 
 WorkerError::WorkerError(ErrorMsg error) : TransportError(Describe(error)), error_(std::move(error)) {}
 
 struct Client::Impl {
+  /// Sends one frame; throws TransportError when the send fails or times out (queue full).
+  void SendFrame(zmq::message_t frame, bool more, const std::string& endpoint) {
+    std::optional<size_t> sent;
+    try {
+      sent = socket->send(frame, more ? zmq::send_flags::sndmore : zmq::send_flags::none);
+    } catch (const zmq::error_t& e) {
+      throw TransportError(fmt::format("send to {} failed: {}", endpoint, e.what()));
+    }
+    if (!sent) {
+      throw TransportError(fmt::format("send to {} timed out after {} ms (queue full: is the worker up?)", endpoint,
+                                       options.timeout_ms));
+    }
+  }
+
+  // Declared before the context, so that it outlives every Release the context makes.
+  BorrowedFrames borrowed;
   zmq::context_t context{1};
   std::optional<zmq::socket_t> socket;
   ClientOptions options;
@@ -108,19 +169,9 @@ void Client::Send(const ClientMessage& message, const std::vector<std::string_vi
   const std::string header = EncodeClientMessage(message);
   const size_t num_frames = 1 + payload.size();
   for (size_t i = 0; i < num_frames; ++i) {
-    const auto flags = i + 1 < num_frames ? zmq::send_flags::sndmore : zmq::send_flags::none;
     const std::string_view bytes = i == 0 ? std::string_view(header) : payload[i - 1];
-    std::optional<size_t> sent;
-    try {
-      // message_t copies the bytes: the caller's buffer may go away as soon as Send returns.
-      sent = impl_->socket->send(zmq::message_t(bytes.data(), bytes.size()), flags);
-    } catch (const zmq::error_t& e) {
-      throw TransportError(fmt::format("send to {} failed: {}", endpoint_, e.what()));
-    }
-    if (!sent) {
-      throw TransportError(fmt::format("send to {} timed out after {} ms (queue full: is the worker up?)", endpoint_,
-                                       impl_->options.timeout_ms));
-    }
+    // message_t copies the bytes: the caller's buffer may go away as soon as Send returns.
+    impl_->SendFrame(zmq::message_t(bytes.data(), bytes.size()), i + 1 < num_frames, endpoint_);
   }
 }
 
@@ -257,8 +308,30 @@ UpdateAckMsg WaitForUpdateAck(Client& client, const std::string& prefix, const s
 
 }  // namespace
 
+void Client::ReleaseBorrowedFrames() {
+  // A reply to a message sent after the chunks proves they were written, and ZeroMQ releases a
+  // frame as soon as it is: normally none is held by now.
+  const int64_t wait_ms = std::min<int64_t>(impl_->options.timeout_ms, 1000);
+  if (impl_->borrowed.WaitNoneHeld(wait_ms)) return;
+  // The worker stopped reading mid-push: drop the unsent frames (close without linger), then
+  // reconnect, so that the caller's tensors may be freed and the client stays usable.
+  Logger("transport").warn("client: {} update_chunk frames to {} still unsent after {} ms; reconnecting",
+                           impl_->borrowed.num_held(), endpoint_, wait_ms);
+  const std::string endpoint = endpoint_;
+  const ClientOptions options = impl_->options;
+  impl_->socket->set(zmq::sockopt::linger, 0);
+  Close();
+  if (!impl_->borrowed.WaitNoneHeld(10000)) {
+    Logger("transport").critical("client: ZeroMQ still holds {} frames borrowing the caller's tensors 10 s after "
+                                 "the socket closed; aborting rather than let them be read after free",
+                                 impl_->borrowed.num_held());
+    std::abort();
+  }
+  Connect(endpoint, options);
+}
+
 UpdateAckMsg Client::PushWeights(const std::vector<TensorBytes>& tensors, PolicyVersion version,
-                                 const PushOptions& options) {
+                                 const PushOptions& options, PushTimings* timings) {
   if (options.chunk_bytes == 0) throw TransportError("chunk_bytes must be > 0");
   std::string update_id = options.update_id;
   if (update_id.empty()) {
@@ -267,6 +340,11 @@ UpdateAckMsg Client::PushWeights(const std::vector<TensorBytes>& tensors, Policy
   }
   const std::string prefix = update_id + "/";
   const int64_t timeout_ms = impl_->options.timeout_ms;
+  auto ms_since = [](Clock::time_point t) {
+    return std::chrono::duration<double, std::milli>(Clock::now() - t).count();
+  };
+  PushTimings times;
+  Clock::time_point t0 = Clock::now();
 
   UpdateBeginMsg begin;
   begin.id = prefix + "begin";
@@ -279,17 +357,23 @@ UpdateAckMsg Client::PushWeights(const std::vector<TensorBytes>& tensors, Policy
     begin.manifest.tensors.push_back(
         {t.name, t.dtype, t.shape, t.num_bytes, policy::TensorChecksum(t.data, t.num_bytes)});
   }
+  times.checksum_ms = ms_since(t0);
+  t0 = Clock::now();
   Send(begin);
   (void)WaitForUpdateAck(*this, prefix, begin.id, timeout_ms);  // "begun"; refusals throw, nothing to abort
+  times.begin_ms = ms_since(t0);
 
   try {
+    t0 = Clock::now();
     uint64_t num_chunks = 0;
     for (const TensorBytes& t : tensors) {
       const char* bytes = static_cast<const char*>(t.data);
       for (size_t offset = 0; offset < t.num_bytes; offset += options.chunk_bytes) {
         const size_t len = std::min(options.chunk_bytes, t.num_bytes - offset);
-        Send(UpdateChunkMsg{fmt::format("{}chunk{}", prefix, num_chunks++), update_id, t.name, offset},
-             {std::string_view(bytes + offset, len)});
+        // The header is encoded and copied; the bytes go out without a copy (see BorrowedFrames).
+        const UpdateChunkMsg chunk{fmt::format("{}chunk{}", prefix, num_chunks++), update_id, t.name, offset};
+        impl_->SendFrame(zmq::message_t(EncodeClientMessage(chunk)), /*more=*/true, endpoint_);
+        impl_->SendFrame(impl_->borrowed.Borrow(bytes + offset, len), /*more=*/false, endpoint_);
         // A poisoned chunk answers at once: stop sending the rest.
         while (std::optional<WorkerMessage> reply = Receive(0)) {
           if (auto* error = std::get_if<ErrorMsg>(&*reply); error && MessageId(*reply).rfind(prefix, 0) == 0) {
@@ -300,7 +384,13 @@ UpdateAckMsg Client::PushWeights(const std::vector<TensorBytes>& tensors, Policy
     }
     UpdateCommitMsg commit{prefix + "commit", update_id, options.apply};
     Send(commit);
-    return WaitForUpdateAck(*this, prefix, commit.id, timeout_ms);
+    times.send_ms = ms_since(t0);
+    t0 = Clock::now();
+    UpdateAckMsg ack = WaitForUpdateAck(*this, prefix, commit.id, timeout_ms);
+    times.commit_ms = ms_since(t0);
+    ReleaseBorrowedFrames();
+    if (timings != nullptr) *timings = times;
+    return ack;
   } catch (const WorkerError&) {
     // Free the worker now rather than after its update timeout; the abort may itself be refused
     // (the update is already gone): either way the original error is what the caller needs.
@@ -312,17 +402,22 @@ UpdateAckMsg Client::PushWeights(const std::vector<TensorBytes>& tensors, Policy
       }
     } catch (const TransportError&) {
     }
+    ReleaseBorrowedFrames();
+    throw;
+  } catch (const TransportError&) {  // no reply in time, a failed send: the worker may be gone
+    ReleaseBorrowedFrames();
     throw;
   }
 }
 
-UpdateAckMsg Client::PushWeights(const policy::WeightMap& weights, PolicyVersion version, const PushOptions& options) {
+UpdateAckMsg Client::PushWeights(const policy::WeightMap& weights, PolicyVersion version, const PushOptions& options,
+                                 PushTimings* timings) {
   std::vector<TensorBytes> tensors;
   tensors.reserve(weights.size());
   for (const auto& [name, tensor] : weights) {
     tensors.push_back({name, policy::DType::kF32, tensor.shape, tensor.data.data(), tensor.data.size() * sizeof(float)});
   }
-  return PushWeights(tensors, version, options);
+  return PushWeights(tensors, version, options, timings);
 }
 
 UpdateAckMsg Client::ApplyUpdate(const std::string& update_id) {

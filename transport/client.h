@@ -53,7 +53,8 @@ class WorkerError : public TransportError {
 };
 
 /// One tensor of a push, borrowed: `data` holds `num_bytes` bytes of `dtype` (little-endian,
-/// row-major) and must stay valid for the duration of the PushWeights call.
+/// row-major) and must stay valid and unchanged for the duration of the PushWeights call (the
+/// chunk frames point into it; none does any more once PushWeights returns or throws).
 struct TensorBytes {
   std::string name;  ///< canonical (Hugging Face) parameter name
   policy::DType dtype = policy::DType::kF32;
@@ -70,6 +71,14 @@ struct PushOptions {
   /// workers; then ApplyUpdate(update_id) on each.
   bool apply = true;
   std::string update_id;  ///< empty: "v<version>-<random hex>"
+};
+
+/// Where the time of one PushWeights call went, milliseconds.
+struct PushTimings {
+  double checksum_ms = 0;  ///< the manifest's checksums, on the calling thread
+  double begin_ms = 0;     ///< update_begin sent -> "begun" received
+  double send_ms = 0;      ///< first update_chunk sent -> update_commit queued (ZeroMQ sends behind)
+  double commit_ms = 0;    ///< update_commit queued -> the final ack received
 };
 
 /// A blocking client for one worker.
@@ -112,17 +121,19 @@ class Client {
   // ---- Weight updates -----------------------------------------------------------------------------
 
   /// Pushes `tensors` as policy version `version`: update_begin (waits for "begun"), the bytes in
-  /// update_chunk frames of at most chunk_bytes (never through msgpack), update_commit, then
-  /// waits for the "applied" ack (or "verified" with apply false) and returns it. On any error
-  /// reply it sends update_abort (so the worker does not hold the update until its timeout) and
-  /// throws WorkerError. Checksums (XXH3-64 of each tensor's bytes) are computed here.
+  /// update_chunk frames of at most chunk_bytes (never through msgpack, and not copied: ZeroMQ
+  /// sends them straight from `tensors`), update_commit, then waits for the "applied" ack (or
+  /// "verified" with apply false) and returns it. On any error reply it sends update_abort (so
+  /// the worker does not hold the update until its timeout) and throws WorkerError. Checksums
+  /// (XXH3-64 of each tensor's bytes) are computed here. `timings`, when given, is filled in on
+  /// success.
   UpdateAckMsg PushWeights(const std::vector<TensorBytes>& tensors, PolicyVersion version,
-                           const PushOptions& options = {});
+                           const PushOptions& options = {}, PushTimings* timings = nullptr);
   /// The same for fp32 weights by canonical name; the ack's weights_checksum then equals
   /// policy::WeightsChecksum(weights) when the push was full (or the weights not pushed are
   /// unchanged).
   UpdateAckMsg PushWeights(const policy::WeightMap& weights, PolicyVersion version,
-                           const PushOptions& options = {});
+                           const PushOptions& options = {}, PushTimings* timings = nullptr);
   /// Phase two of a two-phase push: applies a verified update; returns the "applied" ack.
   UpdateAckMsg ApplyUpdate(const std::string& update_id);
   /// Discards an open update; returns the "aborted" ack.
@@ -156,6 +167,10 @@ class Client {
   const std::string& endpoint() const { return endpoint_; }
 
  private:
+  /// Returns once ZeroMQ holds none of PushWeights' uncopied chunk frames; when the worker has
+  /// stopped reading them, closes the socket without linger (dropping them) and reconnects.
+  void ReleaseBorrowedFrames();
+
   struct Impl;
   std::unique_ptr<Impl> impl_;
   std::string endpoint_;

@@ -1,0 +1,163 @@
+// The C++ client against a fake worker that stops reading mid-push: PushWeights sends chunk
+// frames without copying them (they point into the caller's tensors), so when it throws, no frame
+// may still point there. The tensor lives in its own mapping, unmapped right after the throw;
+// the fake then reads again, so a frame still queued would fault. No sleeps: every wait is a
+// receive or poll with a deadline.
+
+#include "transport/client.h"
+
+#include <gtest/gtest.h>
+#include <sys/mman.h>
+
+#include <chrono>
+#include <condition_variable>
+#include <cstring>
+#include <mutex>
+#include <thread>
+#include <zmq.hpp>
+
+#include "transport/protocol.h"
+
+namespace vroll::transport {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+/// A ROUTER on tcp://127.0.0.1 that answers update_begin with "begun", then reads nothing until
+/// Resume(): with a receive high-water mark of 1 message its ZeroMQ pipe and the kernel's buffers
+/// fill, and the rest of the client's chunk frames stay queued on the client. After Resume it
+/// answers `health` and drops everything else.
+class StalledWorker {
+ public:
+  StalledWorker() : router_(context_, zmq::socket_type::router) {
+    router_.set(zmq::sockopt::rcvhwm, 1);
+    router_.set(zmq::sockopt::rcvbuf, 64 << 10);
+    router_.set(zmq::sockopt::linger, 0);
+    router_.bind("tcp://127.0.0.1:*");
+    endpoint_ = router_.get(zmq::sockopt::last_endpoint);
+    thread_ = std::thread([this] { Loop(); });  // the socket belongs to that thread from here on
+  }
+  ~StalledWorker() {
+    Resume();
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    thread_.join();
+  }
+
+  void Resume() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      resumed_ = true;
+    }
+    cv_.notify_all();
+  }
+
+  const std::string& endpoint() const { return endpoint_; }
+
+ private:
+  /// One multipart message: [routing id, header, payload...].
+  std::vector<zmq::message_t> ReceiveMessage() {
+    std::vector<zmq::message_t> frames;
+    do {
+      frames.emplace_back();
+      (void)router_.recv(frames.back());
+    } while (frames.back().more());
+    return frames;
+  }
+
+  void Reply(const zmq::message_t& peer, const WorkerMessage& message) {
+    router_.send(zmq::buffer(peer.data(), peer.size()), zmq::send_flags::sndmore);
+    router_.send(zmq::buffer(EncodeWorkerMessage(message)));
+  }
+
+  void Loop() {
+    {
+      std::vector<zmq::message_t> begin = ReceiveMessage();
+      Decoded<ClientMessage> decoded = DecodeClientMessage(begin[1].data(), begin[1].size());
+      const auto& m = std::get<UpdateBeginMsg>(*decoded.message);
+      UpdateAckMsg ack;
+      ack.id = m.id;
+      ack.update_id = m.update_id;
+      ack.stage = UpdateStage::kBegun;
+      Reply(begin[0], ack);
+    }
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait(lock, [this] { return resumed_; });
+    }
+    while (true) {
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (stop_) return;
+      }
+      zmq_pollitem_t item = {router_.handle(), 0, ZMQ_POLLIN, 0};
+      if (zmq_poll(&item, 1, 20) <= 0) continue;
+      std::vector<zmq::message_t> frames = ReceiveMessage();
+      Decoded<ClientMessage> decoded = DecodeClientMessage(frames[1].data(), frames[1].size());
+      if (!decoded.ok()) continue;
+      if (const auto* control = std::get_if<ControlMsg>(&*decoded.message);
+          control != nullptr && control->kind == ControlKind::kHealth) {
+        Reply(frames[0], HealthMsg{control->id, true, 7, ModelInfo{}, kProtocolVersion});
+      }
+    }
+  }
+
+  zmq::context_t context_{1};
+  zmq::socket_t router_;  // the Loop thread's
+  std::string endpoint_;
+  std::thread thread_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool resumed_ = false;  // guarded by mu_
+  bool stop_ = false;     // guarded by mu_
+};
+
+/// An anonymous mapping of `num_bytes`, filled with a pattern; unmapped by Unmap or the destructor.
+class Mapping {
+ public:
+  explicit Mapping(size_t num_bytes) : num_bytes_(num_bytes) {
+    data_ = ::mmap(nullptr, num_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (data_ == MAP_FAILED) throw std::runtime_error("mmap failed");
+    std::memset(data_, 0x5a, num_bytes);
+  }
+  ~Mapping() { Unmap(); }
+  void Unmap() {
+    if (data_ != nullptr) ::munmap(data_, num_bytes_);
+    data_ = nullptr;
+  }
+  const void* data() const { return data_; }
+
+ private:
+  void* data_ = nullptr;
+  size_t num_bytes_;
+};
+
+TEST(ClientTest, APushThatTimesOutLeavesNoFrameReferringToTheTensors) {
+  StalledWorker worker;
+  Client client;
+  ClientOptions options;
+  options.timeout_ms = 1000;
+  client.Connect(worker.endpoint(), options);
+
+  const size_t num_bytes = size_t{64} << 20;  // far beyond what the stalled connection can buffer
+  Mapping tensor(num_bytes);
+  PushOptions push;
+  push.chunk_bytes = size_t{1} << 20;
+  const Clock::time_point start = Clock::now();
+  EXPECT_THROW((void)client.PushWeights(
+                   {{"w", policy::DType::kF32, {int64_t(num_bytes / 4)}, tensor.data(), num_bytes}}, 1, push),
+               TransportError);
+  // The commit's reply wait, the wait for queued frames, then a close without linger.
+  EXPECT_LT(Clock::now() - start, std::chrono::seconds(10));
+
+  tensor.Unmap();  // a frame still pointing here would fault once the worker reads again
+  worker.Resume();
+  // The client reconnected and is usable: its health request reaches the worker.
+  EXPECT_EQ(client.Health().policy_version, 7u);
+  EXPECT_EQ(client.endpoint(), worker.endpoint());
+}
+
+}  // namespace
+}  // namespace vroll::transport
