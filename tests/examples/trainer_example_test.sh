@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# vroll-trainer-example end to end: a vroll-worker on a unique ipc:// endpoint, the example pushes
+# versions 1 and 2 and requests rollouts under each; it must exit 0, print samples of both
+# versions, and leave the worker to exit cleanly (--shutdown-worker). With ../shared present,
+# weights of another shape are refused, and the whole run is repeated on stories260K with its
+# tokenizer. Usage: trainer_example_test.sh WORKER EXAMPLE [SHARED]
+set -u
+WORKER="$1"
+EXAMPLE="$2"
+SHARED="${3:-}"
+dir=$(mktemp -d)
+worker_pid=""
+cleanup() {
+  if [ -n "$worker_pid" ]; then kill "$worker_pid" 2>/dev/null; wait "$worker_pid" 2>/dev/null; fi
+  rm -rf "$dir"
+}
+trap cleanup EXIT
+fail() {
+  echo "FAIL: $*"
+  for f in "$dir"/*.out "$dir"/*.err; do [ -f "$f" ] && { echo "--- $f"; tail -40 "$f"; }; done
+  exit 1
+}
+
+# run_case NAME [model args...]: one worker, one example run against it.
+run_case() {
+  local name="$1"; shift
+  local endpoint="ipc://$dir/$name.sock"
+  "$WORKER" --endpoint "$endpoint" --kv-cache-mb 16 --threads 1 "$@" \
+    >"$dir/$name-worker.out" 2>"$dir/$name-worker.err" &
+  worker_pid=$!
+  # The worker prints its endpoint once bound (the client would also wait, but this catches a
+  # worker that fails to start). At most 60 s.
+  for _ in $(seq 600); do
+    [ -s "$dir/$name-worker.out" ] && break
+    kill -0 "$worker_pid" 2>/dev/null || fail "$name: vroll-worker exited before binding"
+    sleep 0.1
+  done
+  [ -s "$dir/$name-worker.out" ] || fail "$name: vroll-worker did not bind $endpoint within 60 s"
+  if [ "$name" = default ] && [ -f "$SHARED/models/stories260K.bin" ]; then
+    # Weights of another shape: refused before anything is pushed, naming both shapes.
+    if "$EXAMPLE" --endpoint "$endpoint" --model "$SHARED/models/stories260K.bin" \
+      >"$dir/mismatch-example.out" 2>"$dir/mismatch-example.err"; then
+      fail "weights of another shape were accepted"
+    fi
+    grep -q "does not have the shape of" "$dir/mismatch-example.err" || fail "the shape mismatch is not named"
+  fi
+  "$EXAMPLE" --endpoint "$endpoint" --n 3 --max-new-tokens 12 --timeout-ms 60000 --shutdown-worker "$@" \
+    >"$dir/$name-example.out" 2>"$dir/$name-example.err"
+  local rc=$?
+  [ "$rc" -eq 0 ] || fail "$name: vroll-trainer-example exited with $rc"
+  wait "$worker_pid"; local worker_rc=$?
+  worker_pid=""
+  [ "$worker_rc" -eq 0 ] || fail "$name: vroll-worker exited with $worker_rc after --shutdown-worker"
+  local out="$dir/$name-example.out"
+  grep -q "^pushed version 1: applied" "$out" || fail "$name: no 'pushed version 1' line"
+  grep -q "^pushed version 2: applied" "$out" || fail "$name: no 'pushed version 2' line"
+  local v1 v2
+  v1=$(grep -c "^\[v1-prompt[0-9]* #[0-9]*\] policy_version 1," "$out")
+  v2=$(grep -c "^\[v2-prompt[0-9]* #[0-9]*\] policy_version 2," "$out")
+  [ "$v1" -eq 6 ] || fail "$name: $v1 samples of version 1, expected 6 (2 prompts x 3)"
+  [ "$v2" -eq 6 ] || fail "$name: $v2 samples of version 2, expected 6 (2 prompts x 3)"
+  grep -q "MISMATCH" "$out" && fail "$name: a sample carries another version"
+  grep -q "^ok: 12 samples" "$out" || fail "$name: no final 'ok' line"
+  echo "$name: 6 samples under version 1 and 6 under version 2, worker exited cleanly"
+}
+
+run_case default
+if [ -n "$SHARED" ] && [ -f "$SHARED/models/stories260K.bin" ] && [ -f "$SHARED/models/tok512.bin" ]; then
+  run_case stories260K --model "$SHARED/models/stories260K.bin" --tokenizer "$SHARED/models/tok512.bin"
+else
+  echo "stories260K case skipped: no ${SHARED:-<shared>}/models"
+fi
