@@ -80,6 +80,12 @@ LlamaModel::LlamaModel(const Checkpoint& checkpoint, const ModelOptions& options
 
 at::Tensor LlamaModel::Linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias) const {
   const int64_t rows = x.size(0);
+  if (!batch_invariant_ && rows == 1) {
+    // One row: a GEMV. OpenBLAS's GEMM packs the whole weight matrix on every call, which makes
+    // single-sequence steps cost O(weights) in memory traffic on top of the arithmetic.
+    at::Tensor y = at::mv(w, x[0]);
+    return (bias.defined() ? y + bias : y).unsqueeze(0);
+  }
   if (!batch_invariant_ || rows >= ModelOptions::kMinGemmRows) {
     return bias.defined() ? at::addmm(bias, x, w.t()) : at::mm(x, w.t());
   }
