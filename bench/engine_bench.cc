@@ -162,6 +162,9 @@ int main(int argc, char** argv) {
     std::printf("| %s | %.0f | %.1f | %.0f%% | %ld (of %d submitted) | %d | %.2f |\n", name.c_str(), tps, gflops,
                 100 * gflops / blas.gemm_gflops, static_cast<long>(r.stats.num_prefill_tokens),
                 num_prompts * group * 64, r.stats.peak_used_blocks, r.seconds);
+    std::printf("|   time split | schedule %.2fs, forward %.2fs, sample %.2fs, commit %.2fs of %.2fs in steps | | | | | |\n",
+                r.stats.schedule_seconds, r.stats.forward_seconds, r.stats.sample_seconds, r.stats.commit_seconds,
+                r.stats.busy_seconds);
     std::fflush(stdout);
   }
   csv.close();

@@ -222,15 +222,26 @@ bool Engine::Step() {
   if (!scheduler_->HasWork()) return false;
   const PolicyVersion version = version_.load();
 
+  auto seconds_since = [](Clock::time_point& mark) {
+    const Clock::time_point now = Clock::now();
+    const double s = std::chrono::duration<double>(now - mark).count();
+    mark = now;
+    return s;
+  };
+  Clock::time_point mark = Clock::now();
   StepPlan plan = scheduler_->Schedule(version, admit_new ? Scheduler::Admission::kAll
                                                           : Scheduler::Admission::kInFlightOnly);
   if (plan.empty()) return false;
+  counters_.schedule_seconds += seconds_since(mark);
   runner_->Execute(plan, *kv_, version, config_.check_block_versions ? &kv_->block_versions() : nullptr);
+  counters_.forward_seconds += seconds_since(mark);
   const std::vector<SamplingTarget> targets = scheduler_->PrepareSampling(plan);
   const std::vector<TokenChoice> choices = runner_->Sample(targets);
+  counters_.sample_seconds += seconds_since(mark);
   std::vector<SampleResult> finished = scheduler_->Commit(plan, targets, choices, version);
   (void)kv_->ReclaimRetired(64);
   Emit(std::move(finished));
+  counters_.commit_seconds += seconds_since(mark);
 
   ++counters_.num_steps;
   counters_.num_prefill_tokens += plan.num_prefill_tokens;

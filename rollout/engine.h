@@ -99,7 +99,11 @@ struct EngineStats {
   int64_t num_generated_tokens = 0;
   int64_t num_preemptions = 0;
   int64_t num_finished_samples = 0;
-  double busy_seconds = 0;          ///< time spent in steps
+  double busy_seconds = 0;          ///< time spent in steps, of which:
+  double schedule_seconds = 0;      ///<   scheduling (block tables, preemption, admission)
+  double forward_seconds = 0;       ///<   the model's forward pass (incl. copy-on-write copies)
+  double sample_seconds = 0;        ///<   sampling (softmax, logprobs, draws)
+  double commit_seconds = 0;        ///<   appending tokens, prefix-cache inserts, finishing, emitting
   double tokens_per_second = 0;     ///< generated tokens / busy seconds
   PolicyVersion policy_version = 0;
 };

@@ -8,6 +8,7 @@
 
 #include "cache/paged_kv_cache.h"
 #include "policy/llama_model.h"
+#include "rollout/sampler_kernels.h"
 
 namespace vroll::rollout {
 
@@ -28,7 +29,9 @@ struct ModelRunner::Impl {
   bool check;
   at::Tensor logits;  // [num_sampling_rows, vocab], CPU fp32, contiguous
   // Reused between steps (large: rows x vocab floats), so that steps do not fault in fresh pages.
-  at::Tensor logits_buffer, scaled, logprobs, probs;
+  at::Tensor logits_buffer, probs;
+  std::vector<double> block_sums;   // [rows, ceil(vocab / kBlock)]
+  std::vector<DistributionRow> rows;
   policy::ForwardBatch batch;  // reused between steps
 };
 
@@ -116,39 +119,31 @@ std::vector<TokenChoice> ModelRunner::Sample(const std::vector<SamplingTarget>& 
   c10::InferenceMode guard;
   std::vector<TokenChoice> choices(targets.size());
   if (targets.empty()) return choices;
-  const int vocab = impl_->model.config().vocab_size;
-  const int64_t num_rows = impl_->logits.size(0);
-  // Per-row temperature (the samples of a row are one request's, so they share it); 0 -> 1.
-  std::vector<float> temperature(num_rows, 1.0f);
-  for (const SamplingTarget& t : targets) {
-    const double temp = t.seq->request->request.sampling.temperature;
-    temperature[t.row] = temp > 0 ? static_cast<float>(temp) : 1.0f;
-  }
-  // Vectorized, row-wise kernels: a row's values do not depend on the other rows.
-  at::Tensor temps = at::from_blob(temperature.data(), {num_rows, 1}, at::kFloat);
   Impl& m = *impl_;
-  auto reuse = [&](at::Tensor& t) {
-    if (!t.defined()) t = at::empty({0}, at::kFloat);
-    t.resize_({num_rows, vocab});
-  };
-  reuse(m.scaled);
-  reuse(m.logprobs);
-  reuse(m.probs);
-  at::div_out(m.scaled, m.logits, temps);
-  at::_log_softmax_out(m.logprobs, m.scaled, 1, /*half_to_float=*/false);
-  at::exp_out(m.probs, m.logprobs);
-  const at::Tensor& logprobs = m.logprobs;
-  const at::Tensor& probs = m.probs;
-  const float* logits_ptr = impl_->logits.data_ptr<float>();
-  const float* logprobs_ptr = logprobs.data_ptr<float>();
-  const float* probs_ptr = probs.data_ptr<float>();
-  at::parallel_for(0, static_cast<int64_t>(targets.size()), 4, [&](int64_t begin, int64_t end) {
+  const int vocab = m.model.config().vocab_size;
+  const int64_t num_rows = m.logits.size(0);
+  const int64_t num_blocks = (vocab + kernels::kBlock - 1) / kernels::kBlock;
+  // The samples of a row are one request's, so they share its temperature.
+  std::vector<double> temperature(num_rows, 1.0);
+  for (const SamplingTarget& t : targets) temperature[t.row] = t.seq->request->request.sampling.temperature;
+  if (!m.probs.defined()) m.probs = at::empty({0}, at::kFloat);
+  m.probs.resize_({num_rows, vocab});
+  m.block_sums.resize(static_cast<size_t>(num_rows * num_blocks));
+  m.rows.resize(static_cast<size_t>(num_rows));
+  const float* logits = m.logits.data_ptr<float>();
+  float* probs = m.probs.data_ptr<float>();
+  // Row kernels (vectorized; a row's values never depend on other rows), then the draws.
+  at::parallel_for(0, num_rows, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      m.rows[r] = PrepareDistribution(logits + r * vocab, vocab, temperature[r], probs + r * vocab,
+                                      m.block_sums.data() + r * num_blocks);
+    }
+  });
+  at::parallel_for(0, static_cast<int64_t>(targets.size()), 16, [&](int64_t begin, int64_t end) {
     std::vector<int> scratch;
     for (int64_t i = begin; i < end; ++i) {
       Sequence* seq = targets[i].seq;
-      const int64_t offset = static_cast<int64_t>(targets[i].row) * vocab;
-      const DistributionRow row{logits_ptr + offset, logprobs_ptr + offset, probs_ptr + offset, vocab};
-      choices[i] = SampleFromDistribution(row, seq->request->request.sampling, seq->rng, scratch);
+      choices[i] = SampleFromDistribution(m.rows[targets[i].row], seq->request->request.sampling, seq->rng, scratch);
     }
   });
   return choices;

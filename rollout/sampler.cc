@@ -1,5 +1,7 @@
 #include "rollout/sampler.h"
 
+#include "rollout/sampler_kernels.h"
+
 #include <algorithm>
 #include <cmath>
 #include <numeric>
@@ -58,13 +60,18 @@ uint64_t SequenceRng::Next() {
 
 double SequenceRng::NextUniform() { return static_cast<double>(Next() >> 11) * 0x1.0p-53; }
 
-void ComputeDistribution(const float* logits, int vocab_size, double temperature, float* logprobs, float* probs) {
-  const double inv_t = temperature > 0 ? 1.0 / temperature : 1.0;
-  const double lse = ScaledLogSumExp(logits, vocab_size, inv_t, logprobs);
-  for (int i = 0; i < vocab_size; ++i) {
-    logprobs[i] = static_cast<float>(logprobs[i] - lse);
-    probs[i] = std::exp(logprobs[i]);
-  }
+DistributionRow PrepareDistribution(const float* logits, int vocab_size, double temperature, float* probs,
+                                    double* block_sums) {
+  DistributionRow row;
+  row.logits = logits;
+  row.probs = probs;
+  row.block_sums = block_sums;
+  row.vocab_size = vocab_size;
+  row.inv_t = temperature > 0 ? static_cast<float>(1.0 / temperature) : 1.0f;
+  const kernels::RowStats stats = kernels::SoftmaxRow(logits, vocab_size, row.inv_t, probs, block_sums);
+  row.max = stats.max;
+  row.total = stats.total;
+  return row;
 }
 
 float TokenLogprob(const float* logits, int vocab_size, double temperature, TokenId token) {
@@ -74,61 +81,41 @@ float TokenLogprob(const float* logits, int vocab_size, double temperature, Toke
   return static_cast<float>(scaled[token] - lse);
 }
 
+namespace {
+float RowLogprob(const DistributionRow& row, TokenId token) {
+  return static_cast<float>(static_cast<double>(row.logits[token] * row.inv_t - row.max) - std::log(row.total));
+}
+}  // namespace
+
 TokenChoice SampleFromDistribution(const DistributionRow& row, const SamplingParams& params, SequenceRng& rng,
                                    std::vector<int>& scratch) {
   const int vocab = row.vocab_size;
   TokenChoice choice;
   if (params.temperature == 0) {
     choice.token = static_cast<TokenId>(std::max_element(row.logits, row.logits + vocab) - row.logits);  // first max
-    choice.logprob = row.logprobs[choice.token];
+    choice.logprob = RowLogprob(row, choice.token);
     return choice;
   }
   const float* probs = row.probs;
   const double u = rng.NextUniform();
   if (params.top_k <= 0 && params.top_p >= 1.0) {
-    // Inverse CDF in id order over the full distribution, in two levels so that the long scan is
-    // vectorized: sums of blocks of kBlock probabilities, then a scalar scan inside one block.
-    constexpr int kBlock = 256;
-    const int num_blocks = (vocab + kBlock - 1) / kBlock;
-    double total = 0;
-    double block_sums[512];  // vocab <= 131072 on this path; larger vocabularies fall back below
-    if (num_blocks <= 512) {
-      for (int b = 0; b < num_blocks; ++b) {
-        const int begin = b * kBlock, end = std::min(vocab, begin + kBlock);
-        float sum = 0;
-#pragma omp simd reduction(+ : sum)
-        for (int i = begin; i < end; ++i) sum += probs[i];
-        block_sums[b] = sum;
-        total += sum;
-      }
-      const double target = u * total;
-      double cum = 0;
-      int b = 0;
-      while (b < num_blocks - 1 && cum + block_sums[b] <= target) cum += block_sums[b++];
-      const int begin = b * kBlock, end = std::min(vocab, begin + kBlock);
-      choice.token = end - 1;
-      for (int i = begin; i < end; ++i) {
-        cum += probs[i];
-        if (cum > target) {
-          choice.token = i;
-          break;
-        }
-      }
-    } else {
-      for (int i = 0; i < vocab; ++i) total += probs[i];
-      const double target = u * total;
-      double cum = 0;
-      choice.token = vocab - 1;
-      for (int i = 0; i < vocab; ++i) {
-        cum += probs[i];
-        if (cum > target) {
-          choice.token = i;
-          break;
-        }
+    // Inverse CDF in id order, in two levels: whole blocks by their sums, then ids inside one.
+    const int num_blocks = (vocab + kernels::kBlock - 1) / kernels::kBlock;
+    const double target = u * row.total;
+    double cum = 0;
+    int b = 0;
+    while (b < num_blocks - 1 && cum + row.block_sums[b] <= target) cum += row.block_sums[b++];
+    const int begin = b * kernels::kBlock, end = std::min(vocab, begin + kernels::kBlock);
+    choice.token = end - 1;
+    for (int i = begin; i < end; ++i) {
+      cum += probs[i];
+      if (cum > target) {
+        choice.token = i;
+        break;
       }
     }
-    while (probs[choice.token] == 0 && choice.token > 0) --choice.token;  // never pick a zero-probability tail
-    choice.logprob = row.logprobs[choice.token];
+    while (probs[choice.token] == 0 && choice.token > 0) --choice.token;  // never a zero-probability tail
+    choice.logprob = RowLogprob(row, choice.token);
     return choice;
   }
   // Candidates by (probability desc, id asc). Sort only as many as needed: the top-k, or a prefix
@@ -138,8 +125,6 @@ TokenChoice SampleFromDistribution(const DistributionRow& row, const SamplingPar
   order.resize(vocab);
   std::iota(order.begin(), order.end(), 0);
   int keep = (params.top_k > 0 && params.top_k < vocab) ? params.top_k : vocab;
-  double total = 0;
-  for (int i = 0; i < vocab; ++i) total += probs[i];
   int sorted = 0;
   auto sort_prefix = [&](int n) {
     n = std::min(n, vocab);
@@ -150,7 +135,7 @@ TokenChoice SampleFromDistribution(const DistributionRow& row, const SamplingPar
   };
   if (params.top_k > 0) sort_prefix(keep);
   if (params.top_p < 1.0) {
-    double kept_mass = total;
+    double kept_mass = row.total;
     if (keep < vocab) {
       kept_mass = 0;
       for (int j = 0; j < keep; ++j) kept_mass += probs[order[j]];
@@ -178,16 +163,18 @@ TokenChoice SampleFromDistribution(const DistributionRow& row, const SamplingPar
       break;
     }
   }
-  choice.logprob = row.logprobs[choice.token];
+  choice.logprob = RowLogprob(row, choice.token);
   return choice;
 }
 
 TokenChoice SampleToken(const float* logits, int vocab_size, const SamplingParams& params, SequenceRng& rng,
                         std::vector<float>& scratch) {
-  scratch.resize(2 * static_cast<size_t>(vocab_size));
-  ComputeDistribution(logits, vocab_size, params.temperature, scratch.data(), scratch.data() + vocab_size);
+  scratch.resize(static_cast<size_t>(vocab_size));
+  std::vector<double> block_sums((vocab_size + kernels::kBlock - 1) / kernels::kBlock);
+  const DistributionRow row = PrepareDistribution(logits, vocab_size, params.temperature, scratch.data(),
+                                                  block_sums.data());
   std::vector<int> order;
-  return SampleFromDistribution({logits, scratch.data(), scratch.data() + vocab_size, vocab_size}, params, rng, order);
+  return SampleFromDistribution(row, params, rng, order);
 }
 
 }  // namespace vroll::rollout

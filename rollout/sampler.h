@@ -33,18 +33,27 @@ struct TokenChoice {
   float logprob = 0;  ///< see the convention above
 };
 
-/// One row of the distribution to sample from, all [vocab_size]:
-///   logits:   raw model logits (greedy takes their first maximum, as llama2.c does);
-///   logprobs: log_softmax(logits / t), t = temperature (1 when greedy);
-///   probs:    exp(logprobs).
-/// ModelRunner computes logprobs and probs for a whole batch with vectorized LibTorch kernels;
-/// SampleToken computes them for one row with scalar code.
+/// One row of the distribution to sample from, with t = temperature (1 when greedy):
+///   logits:     raw model logits [vocab_size] (greedy takes their first maximum, as llama2.c);
+///   probs:      exp(logits / t - max) [vocab_size], unnormalized;
+///   block_sums: sums of probs over blocks of kernels::kBlock ids [ceil(vocab_size / kBlock)];
+///   max, total: max_i logits[i] / t and sum_i probs[i], so that
+///   logprob(i) = logits[i] / t - max - log(total).
+/// PrepareDistribution fills one (vectorized kernels, see sampler_kernels.h).
 struct DistributionRow {
   const float* logits = nullptr;
-  const float* logprobs = nullptr;
   const float* probs = nullptr;
+  const double* block_sums = nullptr;
+  float inv_t = 1;
+  float max = 0;
+  double total = 0;
   int vocab_size = 0;
 };
+
+/// Fills `row` for `logits` at `temperature`, writing into `probs` [vocab_size] and
+/// `block_sums` [ceil(vocab_size / kernels::kBlock)] (caller-owned, reused).
+DistributionRow PrepareDistribution(const float* logits, int vocab_size, double temperature, float* probs,
+                                    double* block_sums);
 
 /// Picks a token from `row` under `params` (top-k, then top-p, both over the probabilities
 /// sorted by (probability desc, id asc); then inverse CDF with one uniform from `rng`; greedy at
@@ -53,11 +62,7 @@ struct DistributionRow {
 TokenChoice SampleFromDistribution(const DistributionRow& row, const SamplingParams& params, SequenceRng& rng,
                                    std::vector<int>& scratch);
 
-/// Writes log_softmax(logits / t) into `logprobs` and its exp into `probs` (t = temperature,
-/// or 1 when it is 0), scalar code with a double-precision sum.
-void ComputeDistribution(const float* logits, int vocab_size, double temperature, float* logprobs, float* probs);
-
-/// ComputeDistribution + SampleFromDistribution for one row (vroll-generate, tests).
+/// PrepareDistribution + SampleFromDistribution for one row (vroll-generate, tests).
 TokenChoice SampleToken(const float* logits, int vocab_size, const SamplingParams& params, SequenceRng& rng,
                         std::vector<float>& scratch);
 
