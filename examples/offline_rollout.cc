@@ -1,6 +1,6 @@
 // vroll-offline: GRPO-style rollouts with the engine API, in-process (no sockets).
 //
-//   vroll-offline --model stories260K.bin --tokenizer tok512.bin --prompt "Once upon a time" \
+//   vroll-offline --model stories260K.bin --tokenizer tok512.bin --prompt "Once upon a time"
 //       --prompt "One day" --n 4 --max-new-tokens 40
 //
 // Submits every prompt as one request of n samples (each group prefills its prompt once), prints

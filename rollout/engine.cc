@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <limits>
 
 #include <fmt/format.h>
@@ -82,7 +83,7 @@ Engine::Engine(const policy::Checkpoint& checkpoint, const EngineConfig& config)
   scheduler_ = std::make_unique<Scheduler>(sched, kv_.get());
   param_specs_ = runner_->ParamSpecs();
   counters_.num_blocks = num_blocks;
-  snapshot_ = counters_;
+  PublishStats();
   Logger("rollout").info(
       "engine: {} KV blocks x {} tokens ({:.1f} MiB), max_num_seqs {}, max_num_batched_tokens {}, prefix caching {}",
       num_blocks, config_.block_size, num_blocks * bytes_per_block / 1048576.0, config_.max_num_seqs,
@@ -294,6 +295,7 @@ bool Engine::SafePoint() {
   UpdateResult counts;
   switch (mode) {
     case InFlightMode::kDrain:
+      if (u.num_drained < 0) u.num_drained = static_cast<int>(scheduler_->InFlight().size());  // at first sight
       if (scheduler_->HasInFlight()) return false;  // keep stepping, admit nothing new
       break;
     case InFlightMode::kAbort:
@@ -316,7 +318,7 @@ bool Engine::SafePoint() {
       }
       break;
   }
-  counts.num_drained = u.num_drained;
+  counts.num_drained = std::max(0, u.num_drained);
   ApplyUpdate(u, counts);
   update_.reset();
   return true;
@@ -360,11 +362,22 @@ SubmitStatus Engine::SubmitUpdate(policy::WeightUpdateStaging* staging, InFlight
   if (staging == nullptr || staging->state() != policy::WeightUpdateStaging::State::kVerified) {
     return {SubmitStatus::Code::kInvalid, "weight update is not verified (commit staging first)"};
   }
+  // A NaN or infinite weight would turn every logit into NaN: refuse it here, on the caller's
+  // thread (outside the engine's stall), naming the tensor and the element.
+  for (const policy::VerifiedTensor& t : staging->verified()) {
+    const std::vector<float>& v = *t.values;
+    for (size_t i = 0; i < v.size(); ++i) {
+      if (!std::isfinite(v[i])) {
+        return {SubmitStatus::Code::kInvalid,
+                fmt::format("tensor {}: element {} is {} (weights must be finite)", t.param->name, i, v[i])};
+      }
+    }
+  }
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (update_pending_) return {SubmitStatus::Code::kInvalid, "another weight update is pending"};
+    if (update_pending_) return {SubmitStatus::Code::kOverloaded, "another weight update is pending"};
     update_pending_ = true;
-    update_inbox_ = PendingUpdate{staging, mode, std::move(on_done), Clock::now(), 0};
+    update_inbox_ = PendingUpdate{staging, mode, std::move(on_done), Clock::now(), -1};
   }
   cv_.notify_all();
   return {};
@@ -467,6 +480,7 @@ void Engine::Loop() {
       }
     }
     if (!progressed) {
+      PublishStats();  // aborts, admissions and updates change counts without a step
       std::unique_lock<std::mutex> lock(mu_);
       cv_.wait_for(lock, std::chrono::milliseconds(20), [this] {
         return stop_ || !inbox_.empty() || !abort_inbox_.empty() || update_inbox_.has_value() || flush_requested_;

@@ -149,7 +149,8 @@ class Engine {
   /// version and invalidates the prefix cache in one critical section, then calls `on_done` (on
   /// the engine thread) with the acknowledgement. `staging` must be verified and left untouched
   /// until `on_done` runs; the engine calls staging->Finish() before it. Refused (returned, and
-  /// `on_done` not called) when another update is pending or the staging is not verified.
+  /// `on_done` not called): kInvalid when the staging is not verified or holds a NaN/infinite
+  /// weight (the error names the tensor and element), kOverloaded when another update is pending.
   /// Queued requests holding no KV never delay an update. While paused, a drain update restarts
   /// the running sequences (they cannot finish without running).
   SubmitStatus SubmitUpdate(policy::WeightUpdateStaging* staging, InFlightMode mode,
@@ -177,7 +178,7 @@ class Engine {
     InFlightMode mode = InFlightMode::kDrain;
     std::function<void(UpdateResult)> on_done;
     Clock::time_point submitted;
-    int num_drained = 0;
+    int num_drained = -1;  // in-flight sequences when a drain started; -1 before
   };
 
   void Loop();

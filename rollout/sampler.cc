@@ -35,8 +35,10 @@ double ScaledLogSumExp(const float* logits, int n, double inv_t, float* scaled) 
 }  // namespace
 
 void SamplingParams::Validate(int vocab_size) const {
-  if (!std::isfinite(temperature) || temperature < 0) {
-    throw std::invalid_argument(fmt::format("sampling param temperature = {} must be finite and >= 0", temperature));
+  if (!std::isfinite(temperature) || temperature < 0 || (temperature > 0 && temperature < kMinTemperature)) {
+    throw std::invalid_argument(fmt::format(
+        "sampling param temperature = {} must be 0 (greedy) or finite and >= {} (logits / temperature would "
+        "overflow float32)", temperature, kMinTemperature));
   }
   if (!(top_p > 0 && top_p <= 1)) throw std::invalid_argument(fmt::format("sampling param top_p = {} must be in (0, 1]", top_p));
   if (top_k < 0) throw std::invalid_argument(fmt::format("sampling param top_k = {} must be >= 0 (0 disables)", top_k));

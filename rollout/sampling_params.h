@@ -12,8 +12,10 @@ namespace vroll::rollout {
 using policy::TokenId;
 
 struct SamplingParams {
-  /// Softmax temperature; 0 selects greedy decoding (argmax, lowest id on ties).
+  /// Softmax temperature; 0 selects greedy decoding (argmax, lowest id on ties); otherwise at
+  /// least kMinTemperature.
   double temperature = 1.0;
+  static constexpr double kMinTemperature = 1e-5;
   /// Nucleus sampling: keep the smallest set of most likely tokens whose probability sums to
   /// at least top_p, in (0, 1]; 1 disables it.
   double top_p = 1.0;
@@ -30,7 +32,7 @@ struct SamplingParams {
   /// (seed, i), so results do not depend on what else is in the batch.
   uint64_t seed = 0;
 
-  /// Throws std::invalid_argument naming the field: temperature < 0 or not finite, top_p
+  /// Throws std::invalid_argument naming the field: temperature not 0 nor in [kMinTemperature, inf), top_p
   /// outside (0, 1], top_k < 0, max_new_tokens < 1, a stop token outside [0, vocab_size)
   /// (when vocab_size > 0).
   void Validate(int vocab_size = 0) const;

@@ -95,6 +95,9 @@ StepPlan Scheduler::Schedule(PolicyVersion current_version, Admission admission)
 
   // 3. Admissions (FIFO; requests waiting for a newer policy version are passed over).
   if (plan.num_preempted == 0) {
+    // Running sequences, counting the samples that groups still in prefill will fork.
+    int num_seqs = 0;
+    for (const auto& s : running_) num_seqs += 1 + s->num_forks_pending;
     for (auto it = waiting_.begin(); it != waiting_.end() && budget > 0;) {
       Sequence* seq = it->get();
       if (admission == Admission::kInFlightOnly && !seq->was_admitted) {
@@ -102,7 +105,7 @@ StepPlan Scheduler::Schedule(PolicyVersion current_version, Admission admission)
         continue;
       }
       const int group = 1 + seq->num_forks_pending;
-      if (static_cast<int>(running_.size()) + group > config_.max_num_seqs) break;
+      if (num_seqs + group > config_.max_num_seqs) break;
       if (seq->request->request.min_policy_version > current_version) {
         ++it;
         continue;
@@ -115,6 +118,7 @@ StepPlan Scheduler::Schedule(PolicyVersion current_version, Admission admission)
       }
       seq->status = SequenceStatus::kRunning;
       seq->was_admitted = true;
+      num_seqs += group;
       running_.push_back(std::move(*it));
       it = waiting_.erase(it);
       const int32_t n = std::min(seq->num_uncomputed_tokens(), budget);

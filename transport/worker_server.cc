@@ -743,7 +743,9 @@ struct WorkerServer::Impl {
     if (!st.ok()) {
       staging->Abort();
       log.warn("update '{}' refused by the engine: {}", u.update_id, st.error);
-      SendError(peer, id, ErrorCode::kBusy, "", st.error);
+      SendError(peer, id,
+                st.code == rollout::SubmitStatus::Code::kInvalid ? ErrorCode::kUpdateFailed : ErrorCode::kBusy, "",
+                st.error);
       update.reset();
       return;
     }

@@ -4,6 +4,7 @@
 // the pushed weights, resident memory over hundreds of updates.
 
 #include <algorithm>
+#include <cmath>
 #include <atomic>
 #include <fstream>
 #include <future>
@@ -114,6 +115,12 @@ TEST_F(PolicyVersionTest, FailedUpdatesNeverPublishAVersion) {
   EXPECT_FALSE(ack.ok);
   EXPECT_NE(ack.error.find("model.norm.weight"), std::string::npos) << ack.error;
 
+  WeightMap nan = Perturbed(base_, 14);
+  nan["model.layers.0.self_attn.o_proj.weight"].data[17] = std::nanf("");
+  ack = e.UpdateWeights(nan, 1);
+  EXPECT_FALSE(ack.ok);
+  EXPECT_NE(ack.error.find("model.layers.0.self_attn.o_proj.weight: element 17"), std::string::npos) << ack.error;
+
   ack = e.UpdateWeights(Perturbed(base_, 4), 0);  // not greater than the current version
   EXPECT_FALSE(ack.ok);
   EXPECT_EQ(e.policy_version(), 0u);
@@ -207,6 +214,7 @@ TEST_F(PolicyVersionTest, DrainFinishesRunningUnderOldWeightsAndStartsQueuedUnde
   const WeightMap v1 = Perturbed(base_, 8);
   const UpdateResult ack = e.UpdateWeights(v1, 1, InFlightMode::kDrain);
   ASSERT_TRUE(ack.ok);
+  EXPECT_EQ(ack.num_drained, 3);
   while (e.Step()) {
   }
   ASSERT_EQ(results.size(), 6u);
@@ -364,8 +372,12 @@ TEST_F(PolicyVersionTest, ConcurrentSubmittersAndUpdatesNeverDeadlockAndEverySam
         return std::vector<float>(all.begin() + span.begin, all.begin() + span.end);
       };
       EXPECT_LE(MaxAbsDiff(got, under(span.version)), 1e-4) << r.request_id << " v" << span.version;
-      if (span.version > 0) EXPECT_GT(MaxAbsDiff(got, under(span.version - 1)), 1e-4) << r.request_id;
-      if (span.version < kVersions) EXPECT_GT(MaxAbsDiff(got, under(span.version + 1)), 1e-4) << r.request_id;
+      if (span.version > 0) {
+        EXPECT_GT(MaxAbsDiff(got, under(span.version - 1)), 1e-4) << r.request_id;
+      }
+      if (span.version < kVersions) {
+        EXPECT_GT(MaxAbsDiff(got, under(span.version + 1)), 1e-4) << r.request_id;
+      }
     }
     ++checked;
   }

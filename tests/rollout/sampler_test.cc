@@ -117,6 +117,11 @@ TEST(SamplerTest, ValidateNamesTheField) {
     EXPECT_NE(std::string(e.what()).find("temperature"), std::string::npos);
   }
   p = SamplingParams();
+  p.temperature = 1e-38;  // logits / temperature would overflow float32
+  EXPECT_THROW(p.Validate(10), std::invalid_argument);
+  p.temperature = SamplingParams::kMinTemperature;
+  EXPECT_NO_THROW(p.Validate(10));
+  p = SamplingParams();
   p.stop_token_ids = {10};
   EXPECT_THROW(p.Validate(10), std::invalid_argument);
   p = SamplingParams();

@@ -109,6 +109,14 @@ TEST_F(SchedulerTest, OutOfBlocksPreemptsTheNewestAndRecomputesIt) {
   EXPECT_GT(results_[1].num_preemptions, 0);
 }
 
+TEST_F(SchedulerTest, MaxNumSeqsCountsTheSamplesGroupsWillFork) {
+  Init(256, 4, 256, /*max_seqs=*/8);
+  for (int i = 0; i < 4; ++i) Add("g" + std::to_string(i), 5, 4, 3);
+  EXPECT_EQ(Step(), (V{"g0/0:5s", "g1/0:5s"}));  // two groups of 4 fill the 8 slots
+  EXPECT_EQ(scheduler_->num_running(), 8);
+  EXPECT_EQ(scheduler_->num_waiting(), 2);
+}
+
 TEST_F(SchedulerTest, RequestsWaitingForANewerPolicyVersionDoNotBlockTheQueue) {
   Init(64, 4, 64);
   auto later = Add("later", 3, 1, 1);
