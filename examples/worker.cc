@@ -8,6 +8,7 @@
 //       --curve-trainer-keys trainers.txt --curve-client-keys clients.txt   (one command line)
 
 #include <csignal>
+#include <filesystem>
 #include <cstdio>
 #include <optional>
 #include <string>
@@ -18,6 +19,7 @@
 #include "policy/default_model.h"
 #include "policy/llama2c_loader.h"
 #include "policy/logging.h"
+#include "policy/hf_loader.h"
 #include "policy/tokenizer.h"
 #include "rollout/engine.h"
 #include "transport/curve.h"
@@ -43,7 +45,10 @@ int main(int argc, char** argv) {
   int threads = 0;
   CLI::App app{"vroll-worker: serve generation and weight updates over ZeroMQ (docs/PROTOCOL.md).\n"
                "With no --model it runs the " + vroll::policy::DefaultModelDescription() + "."};
-  app.add_option("--model", model_path, "llama2.c checkpoint (.bin); default: the embedded model")->check(CLI::ExistingFile);
+  app.add_option("--model", model_path,
+                 "llama2.c checkpoint (.bin), or a Hugging Face directory (config.json + model.safetensors, "
+                 "LlamaForCausalLM / Qwen2ForCausalLM); default: the embedded model")
+      ->check(CLI::ExistingPath);
   app.add_option("--tokenizer", tokenizer_path, "llama2.c tokenizer.bin (checked against the model's vocabulary)")
       ->check(CLI::ExistingFile);
   app.add_option("--endpoint", worker_config.endpoint, "tcp://HOST:PORT (tcp://127.0.0.1:* picks a port) or ipc://PATH")
@@ -81,7 +86,8 @@ int main(int argc, char** argv) {
       log.info("no --model: using the {}", vroll::policy::DefaultModelDescription());
       ckpt = vroll::policy::MakeDefaultCheckpoint();
     } else {
-      ckpt = vroll::policy::LoadLlama2cCheckpoint(model_path);
+      ckpt = std::filesystem::is_directory(model_path) ? vroll::policy::LoadHfCheckpoint(model_path)
+                                                       : vroll::policy::LoadLlama2cCheckpoint(model_path);
       if (!tokenizer_path.empty()) (void)vroll::policy::Tokenizer::LoadLlama2c(tokenizer_path, ckpt.config.vocab_size);
     }
     engine_config.kv_cache_bytes = kv_cache_mb << 20;
