@@ -198,17 +198,21 @@ void Engine::DrainInbox() {
 void Engine::Emit(std::vector<SampleResult> results) {
   for (SampleResult& r : results) {
     const std::string id = r.request_id;
-    auto cb = callbacks_.find(id);
-    if (cb != callbacks_.end() && cb->second) cb->second(std::move(r));
     ++counters_.num_finished_samples;
+    ResultCallback callback;
+    auto cb = callbacks_.find(id);
+    if (cb != callbacks_.end()) callback = cb->second;
     auto live = live_.find(id);
     if (live != live_.end() && ++live->second->num_emitted >= live->second->request.n) {
+      // The request is over: free its id before the caller hears of its last sample, so that a
+      // caller who resubmits the same id at once is not refused as "already in flight".
       live_.erase(live);
       callbacks_.erase(id);
       std::lock_guard<std::mutex> lock(mu_);
       pending_ids_.erase(id);
       --num_pending_;
     }
+    if (callback) callback(std::move(r));
   }
 }
 

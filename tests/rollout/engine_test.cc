@@ -3,6 +3,7 @@
 // preempted sequences, and counted prefill tokens for GRPO groups.
 
 #include <algorithm>
+#include <future>
 #include <map>
 #include <random>
 #include <set>
@@ -294,6 +295,21 @@ TEST(EngineTest, InvalidRequestsAreRefusedNamingTheField) {
   s = refuse(MakeRequest("x", {1}, 0));
   EXPECT_NE(s.error.find("max_new_tokens"), std::string::npos) << s.error;
   EXPECT_EQ(s.code, SubmitStatus::Code::kInvalid);
+}
+
+TEST(EngineTest, ARequestIdIsFreeAgainWhenItsLastSampleIsDelivered) {
+  Engine e(Default(), SmallConfig());
+  e.Start();
+  for (int round = 0; round < 20; ++round) {
+    std::promise<void> last;
+    std::atomic<int> got{0};
+    SubmitStatus s = e.Submit(MakeRequest("same-id", {1, 2, 3}, 2, 1.0, 2), [&](SampleResult) {
+      if (++got == 2) last.set_value();
+    });
+    ASSERT_TRUE(s.ok()) << "round " << round << ": " << s.error;
+    ASSERT_EQ(last.get_future().wait_for(std::chrono::seconds(30)), std::future_status::ready);
+  }
+  e.Stop();
 }
 
 TEST(EngineTest, BoundedQueueAnswersOverloaded) {
