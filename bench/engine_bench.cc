@@ -5,6 +5,7 @@
 //   vroll_engine_bench [--shared ../shared] [--batches 1,4,16,64,256] [--new-tokens 128]
 //                      [--out bench/results] [--quick]
 
+#include <algorithm>
 #include <chrono>
 #include <filesystem>
 #include <cstdio>
@@ -79,13 +80,16 @@ int main(int argc, char** argv) {
   vroll::EnsureFastBlas(argc, argv);
   std::string shared = "../shared", out_dir = "bench/results", batches_arg = "1,4,16,64,128,256";
   int new_tokens = 128;
-  bool quick = false, plot = false;
+  std::string only;
+  bool quick = false, plot = false, skip_grpo = false;
   CLI::App app{"vroll engine benchmark"};
   app.add_option("--shared", shared, "folder holding models/stories260K.bin")->capture_default_str();
   app.add_option("--batches", batches_arg, "comma-separated batch sizes")->capture_default_str();
   app.add_option("--new-tokens", new_tokens, "tokens generated per sample")->capture_default_str();
   app.add_option("--out", out_dir, "folder for CSV/PNG output")->capture_default_str();
   app.add_flag("--quick", quick, "small sizes (smoke test)");
+  app.add_option("--only", only, "run only models whose name contains this (e.g. 15M)");
+  app.add_flag("--skip-grpo", skip_grpo, "skip the GRPO workload");
   app.add_flag("--plot", plot, "write a PNG with matplotlib (Debian's /usr/bin/python3)");
   CLI11_PARSE(app, argc, argv);
   vroll::ConfigureThreads(0);
@@ -114,6 +118,11 @@ int main(int argc, char** argv) {
   m15.vocab_size = 32000;
   m15.max_seq_len = 256;
   models.emplace_back("15M-shape (random)", vroll::policy::MakeRandomCheckpoint(m15, 15));
+  if (!only.empty()) {
+    models.erase(std::remove_if(models.begin(), models.end(),
+                                [&](const auto& m) { return m.first.find(only) == std::string::npos; }),
+                 models.end());
+  }
 
   std::filesystem::create_directories(out_dir);
   std::ofstream csv(out_dir + "/throughput.csv");
@@ -153,6 +162,7 @@ int main(int argc, char** argv) {
   std::printf("| model | tokens/s | GFLOP/s | of GEMM rate | prompt tokens prefilled | peak blocks | seconds |\n");
   std::printf("|---|---|---|---|---|---|---|\n");
   for (const auto& [name, ckpt] : models) {
+    if (skip_grpo) break;
     EngineConfig config;
     config.max_num_seqs = num_prompts * group;
     config.kv_cache_bytes = int64_t{2} << 30;
