@@ -10,109 +10,11 @@
 #include <c10/core/InferenceMode.h>
 #include <fmt/format.h>
 
+#include "cache/attention_kernel.h"
 #include "policy/check.h"
 #include "policy/logging.h"
 
 namespace vroll::cache {
-
-namespace {
-
-/// Attention of the `group` query heads that share one kv head, for one query row.
-///   q:   [group, head_dim] (contiguous)       out: [group, head_dim]
-///   keys/values of position j at block_base(j) + kv_head * head_dim, stride between positions
-///   within a block = n_kv * head_dim; `scores` scratch [group, num_keys].
-/// kD > 0 is head_dim known at compile time (loops unroll and the output row stays in
-/// registers); kD == 0 reads it from `head_dim`. Always inlined into AttendRow's ISA clones.
-template <int kD>
-__attribute__((always_inline)) inline void AttendRowImpl(const float* q, int group, int head_dim, int num_keys,
-                                                         int block_size, const int32_t* table, const float* k_base,
-                                                         const float* v_base, int64_t block_stride,
-                                                         int64_t token_stride, float scale, float* scores,
-                                                         float* out) {
-  const int d_len = kD > 0 ? kD : head_dim;
-  for (int j0 = 0, b = 0; j0 < num_keys; j0 += block_size, ++b) {
-    const int n = std::min(block_size, num_keys - j0);
-    const float* kb = k_base + table[b] * block_stride;
-    for (int j = 0; j < n; ++j) {
-      const float* kj = kb + j * token_stride;
-      for (int g = 0; g < group; ++g) {
-        const float* qg = q + g * d_len;
-        float dot = 0;
-#pragma omp simd reduction(+ : dot)
-        for (int d = 0; d < d_len; ++d) dot += qg[d] * kj[d];
-        scores[g * num_keys + j0 + j] = dot * scale;
-      }
-    }
-  }
-  for (int g = 0; g < group; ++g) {
-    float* s = scores + g * num_keys;
-    float max_s = s[0];
-    for (int j = 1; j < num_keys; ++j) max_s = std::max(max_s, s[j]);
-    float sum = 0;
-    for (int j = 0; j < num_keys; ++j) {
-      s[j] = std::exp(s[j] - max_s);
-      sum += s[j];
-    }
-    const float inv = 1.0f / sum;
-    for (int j = 0; j < num_keys; ++j) s[j] *= inv;
-  }
-  constexpr int kAccLen = kD > 0 ? kD : 1;
-  for (int g = 0; g < group; ++g) {
-    const float* w = scores + g * num_keys;
-    float* o = out + g * d_len;
-    if constexpr (kD > 0) {
-      float acc[kAccLen] = {};  // stays in registers: kD is a compile-time constant
-      for (int j0 = 0, b = 0; j0 < num_keys; j0 += block_size, ++b) {
-        const int n = std::min(block_size, num_keys - j0);
-        const float* vb = v_base + table[b] * block_stride;
-        for (int j = 0; j < n; ++j) {
-          const float wj = w[j0 + j];
-          const float* vj = vb + j * token_stride;
-#pragma omp simd
-          for (int d = 0; d < kD; ++d) acc[d] += wj * vj[d];
-        }
-      }
-      for (int d = 0; d < kD; ++d) o[d] = acc[d];
-    } else {
-      std::memset(o, 0, sizeof(float) * d_len);
-      for (int j0 = 0, b = 0; j0 < num_keys; j0 += block_size, ++b) {
-        const int n = std::min(block_size, num_keys - j0);
-        const float* vb = v_base + table[b] * block_stride;
-        for (int j = 0; j < n; ++j) {
-          const float wj = w[j0 + j];
-          const float* vj = vb + j * token_stride;
-#pragma omp simd
-          for (int d = 0; d < d_len; ++d) o[d] += wj * vj[d];
-        }
-      }
-    }
-  }
-}
-
-/// Compiled for several ISAs; the choice depends on the CPU only, never on the batch, and the
-/// head-size specialization on the model only.
-__attribute__((target_clones("avx512f", "avx2", "default")))
-void AttendRow(const float* q, int group, int head_dim, int num_keys, int block_size, const int32_t* table,
-               const float* k_base, const float* v_base, int64_t block_stride, int64_t token_stride, float scale,
-               float* scores, float* out) {
-#define VROLL_ATTEND(D)                                                                                   \
-  return AttendRowImpl<D>(q, group, head_dim, num_keys, block_size, table, k_base, v_base, block_stride, \
-                          token_stride, scale, scores, out)
-  switch (head_dim) {
-    case 8: VROLL_ATTEND(8);
-    case 16: VROLL_ATTEND(16);
-    case 32: VROLL_ATTEND(32);
-    case 48: VROLL_ATTEND(48);
-    case 64: VROLL_ATTEND(64);
-    case 80: VROLL_ATTEND(80);
-    case 96: VROLL_ATTEND(96);
-    case 128: VROLL_ATTEND(128);
-    default: VROLL_ATTEND(0);
-  }
-#undef VROLL_ATTEND
-}
-
-}  // namespace
 
 PagedKvCache::PagedKvCache(const policy::ModelConfig& config, int num_blocks, int block_size)
     : config_(config), num_blocks_(num_blocks), block_size_(block_size) {
@@ -221,25 +123,23 @@ at::Tensor PagedKvCache::Attend(int layer, const at::Tensor& q, const at::Tensor
     }
   }
 
-  // 2. Attention, one work item per (token row, kv head).
+  // 2. Attention, one work item per token row (all its heads).
   at::Tensor out = at::empty({num_tokens, n_heads, head_dim}, at::kFloat);
   float* out_ptr = out.data_ptr<float>();
   const float* q_ptr = q.data_ptr<float>();
   const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
-  at::parallel_for(0, num_tokens * n_kv, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, num_tokens, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t t = item / n_kv;
-      const int kv_head = static_cast<int>(item % n_kv);
+    for (int64_t t = begin; t < end; ++t) {
       const int32_t s = row_seq_[t];
       const int32_t n_new = layout_.query_start[s + 1] - layout_.query_start[s];
       const int32_t p = layout_.context_lens[s] - n_new + static_cast<int32_t>(t - layout_.query_start[s]);
       const int num_keys = p + 1;
-      scores.resize(static_cast<size_t>(group) * num_keys);
-      const int64_t head_offset = (t * n_heads + int64_t{kv_head} * group) * head_dim;
-      AttendRow(q_ptr + head_offset, group, head_dim, num_keys, block_size_, ids + layout_.block_table_start[s],
-                k_store + int64_t{kv_head} * head_dim, v_store + int64_t{kv_head} * head_dim, block_stride,
-                token_stride, scale, scores.data(), out_ptr + head_offset);
+      scores.resize(static_cast<size_t>(n_heads) * num_keys);
+      const int64_t row_offset = t * n_heads * head_dim;
+      kernels::AttendToken(q_ptr + row_offset, n_kv, group, head_dim, num_keys, block_size_,
+                           ids + layout_.block_table_start[s], k_store, v_store, block_stride, token_stride, scale,
+                           scores.data(), out_ptr + row_offset);
     }
   });
   return out;

@@ -1,12 +1,16 @@
 #include "policy/llama_model.h"
 
+#include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <stdexcept>
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <c10/core/InferenceMode.h>
 #include <fmt/format.h>
 
+#include "policy/cpu_kernels.h"
 #include "policy/errors.h"
 #include "policy/logging.h"
 
@@ -18,6 +22,41 @@ at::Tensor ToTensor(const HostTensor& host, c10::Device device) {
   // from_blob does not own the memory: clone() makes the tensor own a copy.
   at::Tensor t = at::from_blob(const_cast<float*>(host.data.data()), host.shape, at::kFloat).clone();
   return t.to(device);
+}
+
+/// w [n, k] packed for kernels::LinearTiles, in parallel over column tiles.
+at::Tensor Pack(const at::Tensor& w) {
+  const at::Tensor src = w.contiguous();
+  const int64_t n = src.size(0), k = src.size(1);
+  at::Tensor packed = at::empty({kernels::PackedSize(n, k)}, at::kFloat);
+  const float* s = src.data_ptr<float>();
+  float* d = packed.data_ptr<float>();
+  at::parallel_for(0, kernels::NumColumnTiles(n), 8,
+                   [&](int64_t begin, int64_t end) { kernels::PackWeight(s, n, k, begin, end, d); });
+  return packed;
+}
+
+/// y [m, n] (row stride ldy) (+)= x [m, k] @ w^T (+ bias), w packed; parallel over column tiles
+/// (each output element is computed by one thread in a fixed order: batch invariant).
+void Gemm(const float* x, int64_t m, int64_t k, const at::Tensor& packed, int64_t n, const at::Tensor& bias, float* y,
+          int64_t ldy, bool accumulate) {
+  const float* w = packed.data_ptr<float>();
+  const float* b = bias.defined() ? bias.data_ptr<float>() : nullptr;
+  const int64_t tiles = kernels::NumColumnTiles(n);
+  // ~64K multiply-adds per task at least: smaller GEMMs are not worth waking a thread for.
+  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, m * k * kernels::kTileCols));
+  at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
+    kernels::LinearTiles(x, m, k, w, n, b, y, ldy, accumulate, begin, end);
+  });
+}
+
+/// f(row) for rows [0, m), in parallel when the rows are many.
+template <typename F>
+void ForRows(int64_t m, int64_t row_elems, F&& f) {
+  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, row_elems));
+  at::parallel_for(0, m, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) f(i);
+  });
 }
 
 const HostTensor& Get(const WeightMap& weights, const std::string& name) {
@@ -74,8 +113,89 @@ LlamaModel::LlamaModel(const Checkpoint& checkpoint, const ModelOptions& options
   }
   rope_cos_ = cos.to(device_);
   rope_sin_ = sin.to(device_);
+  RepackWeights();
   Logger("policy").info("model ready: {} ({} parameters) on {}", config_.ToString(), config_.NumParameters(),
                         device_.str());
+}
+
+void LlamaModel::RepackWeights() {
+  if (!device_.is_cpu()) return;
+  c10::InferenceMode guard;
+  for (Layer& layer : layers_) {
+    layer.packed_qkv = Pack(layer.wqkv);
+    layer.packed_o = Pack(layer.wo);
+    layer.packed_gate_up = Pack(layer.w_gate_up);
+    layer.packed_down = Pack(layer.w_down);
+  }
+  packed_lm_head_ = Pack(lm_head_);
+}
+
+at::Tensor LlamaModel::ForwardCpu(const ForwardBatch& batch, AttentionBackend& kv, at::Tensor* logits_out) const {
+  const int64_t t = static_cast<int64_t>(batch.token_ids.size());
+  const int64_t dim = config_.dim, n_heads = config_.n_heads, n_kv = config_.n_kv_heads;
+  const int64_t head_dim = config_.head_dim(), half = head_dim / 2, hidden = config_.hidden_dim;
+  const int64_t q_dim = n_heads * head_dim, kv_dim = n_kv * head_dim, qkv_dim = q_dim + 2 * kv_dim;
+  const float eps = config_.norm_eps;
+  const bool interleaved = config_.rope_layout == RopeLayout::kInterleaved;
+
+  // Residual stream x and per-layer scratch, [t, ...] row-major.
+  at::Tensor x = at::empty({t, dim}, at::kFloat), h = at::empty({t, dim}, at::kFloat);
+  at::Tensor qkv = at::empty({t, qkv_dim}, at::kFloat), gate_up = at::empty({t, 2 * hidden}, at::kFloat);
+  at::Tensor q = at::empty({t, n_heads, head_dim}, at::kFloat), k = at::empty({t, n_kv, head_dim}, at::kFloat);
+  at::Tensor v = at::empty({t, n_kv, head_dim}, at::kFloat), act = at::empty({t, hidden}, at::kFloat);
+  float *xp = x.data_ptr<float>(), *hp = h.data_ptr<float>(), *qkvp = qkv.data_ptr<float>();
+  float *gup = gate_up.data_ptr<float>(), *actp = act.data_ptr<float>();
+  float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
+  const float* embed = embed_.data_ptr<float>();
+  const float* cos_table = rope_cos_.data_ptr<float>();
+  const float* sin_table = rope_sin_.data_ptr<float>();
+
+  for (int64_t i = 0; i < t; ++i) std::memcpy(xp + i * dim, embed + batch.token_ids[i] * dim, sizeof(float) * dim);
+  for (size_t l = 0; l < layers_.size(); ++l) {
+    const Layer& layer = layers_[l];
+    const float* attn_norm = layer.attn_norm.data_ptr<float>();
+    ForRows(t, dim, [&](int64_t i) { kernels::RmsNormRow(xp + i * dim, attn_norm, dim, eps, hp + i * dim); });
+    Gemm(hp, t, dim, layer.packed_qkv, qkv_dim, layer.bqkv, qkvp, qkv_dim, /*accumulate=*/false);
+    ForRows(t, qkv_dim, [&](int64_t i) {
+      const float* row = qkvp + i * qkv_dim;
+      float *qi = qp + i * q_dim, *ki = kp + i * kv_dim;
+      std::memcpy(qi, row, sizeof(float) * q_dim);
+      std::memcpy(ki, row + q_dim, sizeof(float) * kv_dim);
+      std::memcpy(vp + i * kv_dim, row + q_dim + kv_dim, sizeof(float) * kv_dim);
+      const float* c = cos_table + int64_t{batch.positions[i]} * half;
+      const float* s = sin_table + int64_t{batch.positions[i]} * half;
+      kernels::RopeRow(qi, n_heads, head_dim, c, s, interleaved);
+      kernels::RopeRow(ki, n_kv, head_dim, c, s, interleaved);
+    });
+    at::Tensor attn = kv.Attend(static_cast<int>(l), q, k, v).contiguous();  // [t, n_heads, head_dim]
+    Gemm(attn.data_ptr<float>(), t, q_dim, layer.packed_o, dim, {}, xp, dim, /*accumulate=*/true);
+    const float* ffn_norm = layer.ffn_norm.data_ptr<float>();
+    ForRows(t, dim, [&](int64_t i) { kernels::RmsNormRow(xp + i * dim, ffn_norm, dim, eps, hp + i * dim); });
+    Gemm(hp, t, dim, layer.packed_gate_up, 2 * hidden, {}, gup, 2 * hidden, /*accumulate=*/false);
+    ForRows(t, 2 * hidden, [&](int64_t i) {
+      kernels::SiluMulRow(gup + i * 2 * hidden, gup + i * 2 * hidden + hidden, hidden, actp + i * hidden);
+    });
+    Gemm(actp, t, hidden, layer.packed_down, dim, {}, xp, dim, /*accumulate=*/true);
+  }
+
+  const int64_t num_logits = static_cast<int64_t>(batch.logits_rows.size());
+  at::Tensor last = at::empty({num_logits, dim}, at::kFloat);
+  float* lastp = last.data_ptr<float>();
+  const float* final_norm = final_norm_.data_ptr<float>();
+  for (int64_t r = 0; r < num_logits; ++r) {
+    kernels::RmsNormRow(xp + int64_t{batch.logits_rows[r]} * dim, final_norm, dim, eps, lastp + r * dim);
+  }
+  at::Tensor logits;
+  if (logits_out != nullptr) {
+    if (!logits_out->defined()) *logits_out = at::empty({0}, at::kFloat);
+    logits_out->resize_({num_logits, config_.vocab_size});
+    logits = *logits_out;
+  } else {
+    logits = at::empty({num_logits, config_.vocab_size}, at::kFloat);
+  }
+  Gemm(lastp, num_logits, dim, packed_lm_head_, config_.vocab_size, {}, logits.data_ptr<float>(), config_.vocab_size,
+       /*accumulate=*/false);
+  return logits;
 }
 
 at::Tensor LlamaModel::Linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias) const {
@@ -137,6 +257,8 @@ at::Tensor LlamaModel::Forward(const ForwardBatch& batch, AttentionBackend& kv, 
       throw std::invalid_argument(fmt::format("Forward: logits row {} outside [0, {})", row, num_tokens));
     }
   }
+
+  if (device_.is_cpu()) return ForwardCpu(batch, kv, logits_out);
 
   const int64_t n_heads = config_.n_heads, n_kv = config_.n_kv_heads, head_dim = config_.head_dim();
   const int64_t q_dim = n_heads * head_dim, kv_dim = n_kv * head_dim;

@@ -29,17 +29,18 @@ struct ForwardBatch {
 
 struct ModelOptions {
   c10::Device device = c10::Device(c10::kCPU);
-  /// Batch invariance: every GEMM runs on at least kMinGemmRows rows (zero rows appended), so a
-  /// row's result does not depend on how many other rows share the step. OpenBLAS 0.3.21
-  /// (SkylakeX kernels) takes a different summation path for small row counts (measured: bits
-  /// differ for <= 18 rows on some shapes, identical from 19 to 2100 rows on every model shape we
-  /// run); padding costs little because small steps are latency-bound anyway.
+  /// Batch invariance on non-CPU devices (LibTorch ops): every GEMM runs on at least
+  /// kMinGemmRows rows (zero rows appended), so a row's result does not depend on how many other
+  /// rows share the step. On the CPU the forward pass runs vroll's own kernels
+  /// (policy/cpu_kernels.h), which are batch invariant by construction at every batch size, and
+  /// this flag has no effect. (Measured with OpenBLAS 0.3.21, SkylakeX kernels: bits differ for
+  /// <= 18 rows on some shapes, identical from 19 to 2100 rows.)
   bool batch_invariant = true;
   static constexpr int64_t kMinGemmRows = 32;
 };
 
-/// Immutable shape; weights change only through NamedParameters() (the weight-update apply step,
-/// on the engine thread between steps). Forward is const but not re-entrant on one backend:
+/// Immutable shape; weights change only through NamedParameters() followed by RepackWeights()
+/// (the weight-update apply step, on the engine thread between steps). Forward is const but not re-entrant on one backend:
 /// call it from one thread at a time (the engine thread owns the model).
 class LlamaModel {
  public:
@@ -61,9 +62,16 @@ class LlamaModel {
   c10::Device device() const { return device_; }
 
   /// Canonical (Hugging Face) name -> parameter tensor, in ExpectedWeightShapes order. The
-  /// tensors alias the model's storage: copying into them changes the model. A tied model
-  /// lists only model.embed_tokens.weight (its output head is the same storage).
+  /// tensors alias the model's storage: copying into them changes the model, and the CPU
+  /// forward pass sees the change after RepackWeights(). A tied model lists only
+  /// model.embed_tokens.weight (its output head is the same storage).
   std::vector<std::pair<std::string, at::Tensor>> NamedParameters() const;
+
+  /// Rebuilds the packed copies of the GEMM weights that the CPU forward pass reads
+  /// (policy/cpu_kernels.h) from the canonical tensors. Call after writing into
+  /// NamedParameters(); parallel over the model's threads; ~1 pass over the weights' bytes.
+  /// No-op on other devices. Not thread-safe with Forward.
+  void RepackWeights();
 
  private:
   struct Layer {
@@ -74,7 +82,12 @@ class LlamaModel {
     at::Tensor ffn_norm;    // [dim]
     at::Tensor w_gate_up;   // [2 * hidden_dim, dim]: gate rows then up rows
     at::Tensor w_down;      // [dim, hidden_dim]
+    // CPU only: the same weights packed for kernels::LinearTiles (kernels::PackedSize floats).
+    at::Tensor packed_qkv, packed_o, packed_gate_up, packed_down;
   };
+
+  /// The CPU path: vroll's kernels, batch invariant at every batch size.
+  at::Tensor ForwardCpu(const ForwardBatch& batch, AttentionBackend& kv, at::Tensor* logits_out) const;
 
   /// x @ w^T (+ bias): x [rows, in], w [out, in] -> [rows, out]; padded per batch_invariant.
   at::Tensor Linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias = {}) const;
@@ -88,6 +101,7 @@ class LlamaModel {
   at::Tensor embed_;      // [vocab_size, dim]
   at::Tensor lm_head_;    // [vocab_size, dim]; same storage as embed_ when tied
   at::Tensor final_norm_; // [dim]
+  at::Tensor packed_lm_head_;  // CPU only: lm_head_ packed
   at::Tensor rope_cos_;   // [max_seq_len, head_dim / 2]
   at::Tensor rope_sin_;   // [max_seq_len, head_dim / 2]
   std::vector<Layer> layers_;

@@ -56,6 +56,7 @@ void ModelRunner::ApplyWeights(const std::vector<policy::VerifiedTensor>& tensor
     at::Tensor dst = by_name.at(t.param->name);
     dst.copy_(at::from_blob(const_cast<float*>(t.values->data()), dst.sizes(), at::kFloat));
   }
+  impl_->model.RepackWeights();  // the CPU kernels read packed copies
 }
 
 uint64_t ModelRunner::WeightsChecksum() const {

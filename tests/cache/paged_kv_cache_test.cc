@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <numeric>
 #include <random>
+#include <tuple>
 
 #include <ATen/ATen.h>
 #include <c10/core/InferenceMode.h>
@@ -23,16 +24,19 @@ using policy::ContiguousKvCache;
 using policy::ModelConfig;
 using vroll::testing::MaxRelDiff;
 
-class PagedAttentionTest : public ::testing::TestWithParam<int> {};
+// (block size, head_dim): head_dim 8 takes the kernel's generic per-head path, 48 and 64 the
+// vectorized all-heads path (multiples of 16).
+class PagedAttentionTest : public ::testing::TestWithParam<std::tuple<int, int>> {};
 
 TEST_P(PagedAttentionTest, EqualsContiguousAttentionOnRandomChunks) {
   c10::InferenceMode guard;
-  const int block_size = GetParam();
-  ModelConfig config = policy::DefaultModelConfig();  // 8 heads, 4 kv heads, head_dim 8
+  const int block_size = std::get<0>(GetParam()), head_dim = std::get<1>(GetParam());
+  ModelConfig config = policy::DefaultModelConfig();  // 8 heads, 4 kv heads (GQA group 2)
+  config.dim = config.n_heads * head_dim;
   config.n_layers = 2;
   config.max_seq_len = 96;
   const int num_seqs = 6, num_blocks = num_seqs * ((config.max_seq_len + block_size - 1) / block_size);
-  std::mt19937 rng(1000 + block_size);
+  std::mt19937 rng(1000 + block_size + head_dim);
 
   // Scattered physical blocks: a shuffled pool, handed out as sequences grow.
   std::vector<int32_t> free_blocks(num_blocks);
@@ -84,14 +88,16 @@ TEST_P(PagedAttentionTest, EqualsContiguousAttentionOnRandomChunks) {
       const at::Tensor want = contiguous.Attend(layer, q, k, v);
       const at::Tensor got = paged.Attend(layer, q, k, v);
       ASSERT_EQ(got.sizes(), want.sizes());
-      ASSERT_LE(MaxRelDiff(got, want), 1e-5) << "block_size " << block_size << " step " << steps << " layer " << layer;
+      ASSERT_LE(MaxRelDiff(got, want), 1e-5) << "block_size " << block_size << " head_dim " << head_dim << " step "
+                                             << steps << " layer " << layer;
     }
     ++steps;
   }
   EXPECT_GT(steps, 5);
 }
 
-INSTANTIATE_TEST_SUITE_P(BlockSizes, PagedAttentionTest, ::testing::Values(1, 4, 16));
+INSTANTIATE_TEST_SUITE_P(BlockSizesAndHeadDims, PagedAttentionTest,
+                         ::testing::Combine(::testing::Values(1, 4, 16), ::testing::Values(8, 48, 64)));
 
 TEST(PagedKvCacheTest, CopyBlocksCopiesEveryLayer) {
   c10::InferenceMode guard;

@@ -189,6 +189,27 @@ TEST(LlamaModelTest, NamedParametersAliasModelStorage) {
   EXPECT_FALSE(at::equal(FullForward(model, tokens), before));
 }
 
+TEST(LlamaModelTest, RepackWeightsMakesWritesIntoGemmWeightsVisible) {
+  // The CPU forward pass reads packed copies of the GEMM weights: after writing into the
+  // canonical tensors and RepackWeights(), the model equals one built from the changed weights.
+  Checkpoint ckpt = MakeDefaultCheckpoint(4);
+  LlamaModel model(ckpt);
+  const std::vector<TokenId> tokens = {1, 100, 101, 102};
+  const at::Tensor before = FullForward(model, tokens);
+  c10::InferenceMode guard;
+  for (const auto& [name, tensor] : model.NamedParameters()) {
+    if (name == "model.layers.0.self_attn.q_proj.weight" || name == "model.layers.1.mlp.down_proj.weight" ||
+        name == "model.embed_tokens.weight") {
+      tensor.mul_(1.5);
+      for (float& x : ckpt.weights.at(name).data) x *= 1.5f;
+    }
+  }
+  model.RepackWeights();
+  const at::Tensor after = FullForward(model, tokens);
+  EXPECT_FALSE(at::equal(after, before));
+  EXPECT_TRUE(at::equal(after, FullForward(LlamaModel(ckpt), tokens)));
+}
+
 TEST(LlamaModelTest, RejectsTokenIdsOutsideTheVocabulary) {
   LlamaModel model(MakeDefaultCheckpoint());
   ContiguousKvCache kv(model.config(), 1);

@@ -1,0 +1,59 @@
+#pragma once
+// CPU kernels of the Llama forward pass: a GEMM on pre-packed weights and fused row kernels
+// (RMSNorm, rotary embedding, SwiGLU). Plain C++ (no LibTorch); callers parallelize.
+//
+// Batch invariance by construction: every output element is computed by the same sequence of
+// floating-point operations whatever the number of rows, their position in the batch or the
+// thread that runs them. The GEMM accumulates y[i, j] as one chain of fused multiply-adds over
+// k = 0, 1, ..., K-1 in order (lane j of a vector register); row kernels see one row at a time.
+// So a sequence's tokens, logprobs and KV do not depend on what else shares the step, at every
+// batch size (no padding to a minimum row count, unlike BLAS libraries whose summation path
+// changes with the shape).
+//
+// The kernels are compiled for AVX-512, AVX+FMA and baseline x86-64 (GCC target_clones, chosen by
+// CPU feature: "arch=" clones would only be picked on that exact CPU model); the
+// choice depends on the CPU only, never on the data.
+
+#include <cstdint>
+
+namespace vroll::policy::kernels {
+
+/// Columns per packed panel (one 512-bit vector of fp32) and panels per GEMM tile.
+inline constexpr int64_t kPanel = 16;
+inline constexpr int64_t kPanelsPerTile = 2;
+inline constexpr int64_t kTileCols = kPanel * kPanelsPerTile;  // 32 output columns per tile
+
+/// Number of column tiles of an [n, k] weight: ceil(n / 32).
+inline int64_t NumColumnTiles(int64_t n) { return (n + kTileCols - 1) / kTileCols; }
+
+/// Floats needed to hold an [n, k] weight packed: NumColumnTiles(n) * 32 * k.
+inline int64_t PackedSize(int64_t n, int64_t k) { return NumColumnTiles(n) * kTileCols * k; }
+
+/// Packs column tiles [tile_begin, tile_end) of the row-major weight w [n, k] (output features x
+/// input features, the nn.Linear / Hugging Face layout) into `packed` (PackedSize(n, k) floats):
+/// packed[(p * k + kk) * 16 + l] = w[p * 16 + l, kk] for panel p, zero past row n. Tiles are
+/// independent, so callers may pack ranges in parallel.
+void PackWeight(const float* w, int64_t n, int64_t k, int64_t tile_begin, int64_t tile_end, float* packed);
+
+/// y[i, j] = sum_kk x[i, kk] * w[j, kk] (+ bias[j]) (+ y[i, j] when accumulate), for rows
+/// i in [0, m) and the output columns of tiles [tile_begin, tile_end).
+///   x: [m, k] row-major, row stride k;  packed: PackWeight of w [n, k];  bias: [n] or null;
+///   y: row stride ldy >= n.  accumulate adds the product to y in place (a fused residual add).
+/// The sum runs k in order, then adds bias, then the old y: identical bits for a row whatever m.
+void LinearTiles(const float* x, int64_t m, int64_t k, const float* packed, int64_t n, const float* bias, float* y,
+                 int64_t ldy, bool accumulate, int64_t tile_begin, int64_t tile_end);
+
+/// out[j] = weight[j] * (x[j] * 1 / sqrt(mean(x^2) + eps)) for one row of length n (llama2.c
+/// rmsnorm; Zhang & Sennrich 2019). x and out may alias.
+void RmsNormRow(const float* x, const float* weight, int64_t n, float eps, float* out);
+
+/// out[j] = silu(gate[j]) * up[j], silu(g) = g / (1 + exp(-g)) (SwiGLU, Shazeer 2020), n elements.
+void SiluMulRow(const float* gate, const float* up, int64_t n, float* out);
+
+/// Rotary position embedding (Su et al. 2021) of one token's heads, in place:
+///   x: [n_heads, head_dim]; cos/sin: [head_dim / 2] for this token's position.
+///   interleaved (llama2.c / Meta): pairs (2j, 2j+1); otherwise half-split (Hugging Face
+///   rotate_half): pairs (j, j + head_dim / 2). (a, b) -> (a cos - b sin, a sin + b cos).
+void RopeRow(float* x, int64_t n_heads, int64_t head_dim, const float* cos, const float* sin, bool interleaved);
+
+}  // namespace vroll::policy::kernels

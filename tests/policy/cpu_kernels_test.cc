@@ -1,0 +1,149 @@
+// CPU forward kernels against double-precision recomputes, and their batch invariance (a row's
+// bits do not depend on how many rows share the call or where the row sits).
+
+#include "policy/cpu_kernels.h"
+
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+namespace vroll::policy::kernels {
+namespace {
+
+std::vector<float> Random(size_t n, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> dist;
+  std::vector<float> v(n);
+  for (float& x : v) x = dist(rng);
+  return v;
+}
+
+std::vector<float> Packed(const std::vector<float>& w, int64_t n, int64_t k) {
+  std::vector<float> packed(PackedSize(n, k), -1.0f);
+  PackWeight(w.data(), n, k, 0, NumColumnTiles(n), packed.data());
+  return packed;
+}
+
+// y = x @ w^T (+ bias) in double.
+std::vector<double> Reference(const std::vector<float>& x, const std::vector<float>& w, const float* bias, int64_t m,
+                              int64_t n, int64_t k) {
+  std::vector<double> y(m * n);
+  for (int64_t i = 0; i < m; ++i) {
+    for (int64_t j = 0; j < n; ++j) {
+      double s = bias != nullptr ? bias[j] : 0.0;
+      for (int64_t kk = 0; kk < k; ++kk) s += double{x[i * k + kk]} * w[j * k + kk];
+      y[i * n + j] = s;
+    }
+  }
+  return y;
+}
+
+TEST(CpuGemmTest, MatchesDoublePrecisionOnEdgeShapes) {
+  // Row counts around the 12-row tile, column counts around the 32-column tile, odd k.
+  for (int64_t m : {1, 5, 11, 12, 13, 25, 40}) {
+    for (int64_t n : {1, 16, 31, 32, 33, 70}) {
+      for (int64_t k : {1, 7, 64, 173}) {
+        const auto x = Random(m * k, 1), w = Random(n * k, 2), bias = Random(n, 3);
+        const auto packed = Packed(w, n, k);
+        for (bool with_bias : {false, true}) {
+          const float* b = with_bias ? bias.data() : nullptr;
+          const int64_t ldy = n + 3;  // a row stride wider than n: columns past n stay untouched
+          std::vector<float> y(m * ldy, 42.0f);
+          LinearTiles(x.data(), m, k, packed.data(), n, b, y.data(), ldy, false, 0, NumColumnTiles(n));
+          const auto ref = Reference(x, w, b, m, n, k);
+          for (int64_t i = 0; i < m; ++i) {
+            for (int64_t j = 0; j < n; ++j) {
+              ASSERT_NEAR(y[i * ldy + j], ref[i * n + j], 1e-4 * std::sqrt(double(k)) + 1e-6)
+                  << "m=" << m << " n=" << n << " k=" << k << " at " << i << "," << j;
+            }
+            for (int64_t j = n; j < ldy; ++j) ASSERT_EQ(y[i * ldy + j], 42.0f) << "wrote past column n";
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(CpuGemmTest, AccumulateAddsTheProductToY) {
+  const int64_t m = 14, n = 45, k = 30;
+  const auto x = Random(m * k, 4), w = Random(n * k, 5), bias = Random(n, 6), y0 = Random(m * n, 7);
+  const auto packed = Packed(w, n, k);
+  std::vector<float> y = y0, product(m * n);
+  LinearTiles(x.data(), m, k, packed.data(), n, bias.data(), y.data(), n, true, 0, NumColumnTiles(n));
+  LinearTiles(x.data(), m, k, packed.data(), n, bias.data(), product.data(), n, false, 0, NumColumnTiles(n));
+  for (int64_t i = 0; i < m * n; ++i) EXPECT_EQ(y[i], y0[i] + product[i]) << i;
+}
+
+TEST(CpuGemmTest, EveryRowIsBitwiseIndependentOfTheBatchAndTheTileSplit) {
+  const int64_t n = 100, k = 96, m = 37;
+  const auto x = Random(m * k, 8), w = Random(n * k, 9);
+  const auto packed = Packed(w, n, k);
+  std::vector<float> full(m * n);
+  LinearTiles(x.data(), m, k, packed.data(), n, nullptr, full.data(), n, false, 0, NumColumnTiles(n));
+  // Every sub-batch [begin, begin + len) gives the same bits for its rows, also when the column
+  // tiles are computed by separate calls (as separate threads do).
+  for (int64_t begin : {0, 3, 12, 30}) {
+    for (int64_t len : {int64_t{1}, int64_t{2}, int64_t{7}, int64_t{12}, m - begin}) {
+      if (begin + len > m) continue;
+      std::vector<float> part(len * n);
+      for (int64_t t = 0; t < NumColumnTiles(n); ++t) {
+        LinearTiles(x.data() + begin * k, len, k, packed.data(), n, nullptr, part.data(), n, false, t, t + 1);
+      }
+      ASSERT_EQ(std::memcmp(part.data(), full.data() + begin * n, sizeof(float) * len * n), 0)
+          << "rows [" << begin << ", " << begin + len << ")";
+    }
+  }
+}
+
+TEST(CpuRowKernelsTest, RmsNormMatchesDoublePrecision) {
+  for (int64_t n : {1, 17, 64, 288}) {
+    const auto x = Random(n, 10), w = Random(n, 11);
+    std::vector<float> out(n);
+    RmsNormRow(x.data(), w.data(), n, 1e-5f, out.data());
+    double ss = 0;
+    for (float v : x) ss += double{v} * v;
+    const double inv = 1.0 / std::sqrt(ss / n + 1e-5);
+    for (int64_t j = 0; j < n; ++j) EXPECT_NEAR(out[j], w[j] * x[j] * inv, 1e-5 * (1 + std::abs(w[j] * x[j] * inv)));
+  }
+}
+
+TEST(CpuRowKernelsTest, SiluMulMatchesDoublePrecision) {
+  const int64_t n = 203;
+  auto g = Random(n, 12), u = Random(n, 13);
+  g[0] = 30;
+  g[1] = -30;
+  std::vector<float> out(n);
+  SiluMulRow(g.data(), u.data(), n, out.data());
+  for (int64_t j = 0; j < n; ++j) {
+    const double want = g[j] / (1.0 + std::exp(-double{g[j]})) * u[j];
+    EXPECT_NEAR(out[j], want, 1e-5 * (1 + std::abs(want))) << j;
+  }
+}
+
+TEST(CpuRowKernelsTest, RopeRotatesPairsInBothLayouts) {
+  const int64_t heads = 3, head_dim = 8, half = head_dim / 2;
+  const auto x = Random(heads * head_dim, 14);
+  std::vector<float> cos(half), sin(half);
+  for (int64_t j = 0; j < half; ++j) {
+    cos[j] = std::cos(0.3f * (j + 1));
+    sin[j] = std::sin(0.3f * (j + 1));
+  }
+  for (bool interleaved : {true, false}) {
+    std::vector<float> y = x;
+    RopeRow(y.data(), heads, head_dim, cos.data(), sin.data(), interleaved);
+    for (int64_t h = 0; h < heads; ++h) {
+      for (int64_t j = 0; j < half; ++j) {
+        const int64_t a = h * head_dim + (interleaved ? 2 * j : j);
+        const int64_t b = h * head_dim + (interleaved ? 2 * j + 1 : j + half);
+        EXPECT_NEAR(y[a], double{x[a]} * cos[j] - double{x[b]} * sin[j], 1e-6);
+        EXPECT_NEAR(y[b], double{x[a]} * sin[j] + double{x[b]} * cos[j], 1e-6);
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace vroll::policy::kernels
