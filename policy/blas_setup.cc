@@ -50,7 +50,9 @@ std::string OpenBlasConfig() {
 void EnsureFastBlas(int argc, char** argv) {
   // Engine steps allocate and free activations and logits of up to tens of MB; glibc would hand
   // them back to the kernel (mmap/munmap, then page faults on every step). Keep them instead.
-  mallopt(M_MMAP_THRESHOLD, 64 << 20);
+  // (32 MiB is the largest threshold glibc accepts on 64-bit: a larger value is refused and the
+  // dynamic default applies.)
+  mallopt(M_MMAP_THRESHOLD, 32 << 20);
   mallopt(M_TRIM_THRESHOLD, 1 << 30);
   if (std::getenv("VROLL_BLAS_REEXEC") != nullptr) return;
   bool changed = false;

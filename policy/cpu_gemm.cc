@@ -105,17 +105,21 @@ void LinearTiles(const float* x, int64_t m, int64_t k, const float* packed, int6
     for (int64_t t = tile_begin; t < tile_end; ++t) {
       const float* tile = packed + t * kTileCols * k;
       const int64_t col0 = t * kTileCols;
-      int64_t i = r0;
-      for (; i + kMaxRows <= r1; i += kMaxRows) {
-        Block<kMaxRows>(x + i * k, k, tile, col0, n, bias, y + i * ldy, ldy, accumulate);
-      }
-      switch (r1 - i) {
+      // Rows in blocks of near-equal size <= 12 (64 rows: 11,11,11,11,10,10 rather than
+      // 12 x 5 + 4), so no block runs with few accumulators. The split never changes results.
+      const int64_t rows = r1 - r0, blocks = (rows + kMaxRows - 1) / kMaxRows;
+      const int64_t base = rows / blocks, extra = rows % blocks;
+      for (int64_t b = 0, i = r0; b < blocks; ++b) {
+        const int64_t len = base + (b < extra ? 1 : 0);
+        switch (len) {
 #define VROLL_BLOCK(R) \
   case R: Block<R>(x + i * k, k, tile, col0, n, bias, y + i * ldy, ldy, accumulate); break;
-        VROLL_BLOCK(1) VROLL_BLOCK(2) VROLL_BLOCK(3) VROLL_BLOCK(4) VROLL_BLOCK(5) VROLL_BLOCK(6)
-        VROLL_BLOCK(7) VROLL_BLOCK(8) VROLL_BLOCK(9) VROLL_BLOCK(10) VROLL_BLOCK(11)
+          VROLL_BLOCK(1) VROLL_BLOCK(2) VROLL_BLOCK(3) VROLL_BLOCK(4) VROLL_BLOCK(5) VROLL_BLOCK(6)
+          VROLL_BLOCK(7) VROLL_BLOCK(8) VROLL_BLOCK(9) VROLL_BLOCK(10) VROLL_BLOCK(11) VROLL_BLOCK(12)
 #undef VROLL_BLOCK
-        default: break;
+          default: break;
+        }
+        i += len;
       }
     }
   }
