@@ -367,14 +367,13 @@ SubmitStatus Engine::SubmitUpdate(policy::WeightUpdateStaging* staging, InFlight
     return {SubmitStatus::Code::kInvalid, "weight update is not verified (commit staging first)"};
   }
   // A NaN or infinite weight would turn every logit into NaN: refuse it here, on the caller's
-  // thread (outside the engine's stall), naming the tensor and the element.
+  // thread (outside the engine's stall), naming the tensor and the element. The staging found
+  // them while the bytes arrived, so this reads no weights.
   for (const policy::VerifiedTensor& t : staging->verified()) {
-    const std::vector<float>& v = *t.values;
-    for (size_t i = 0; i < v.size(); ++i) {
-      if (!std::isfinite(v[i])) {
-        return {SubmitStatus::Code::kInvalid,
-                fmt::format("tensor {}: element {} is {} (weights must be finite)", t.param->name, i, v[i])};
-      }
+    if (t.first_nonfinite) {
+      const uint64_t i = *t.first_nonfinite;
+      return {SubmitStatus::Code::kInvalid,
+              fmt::format("tensor {}: element {} is {} (weights must be finite)", t.param->name, i, (*t.values)[i])};
     }
   }
   {

@@ -150,7 +150,8 @@ class Engine {
   /// the engine thread) with the acknowledgement. `staging` must be verified and left untouched
   /// until `on_done` runs; the engine calls staging->Finish() before it. Refused (returned, and
   /// `on_done` not called): kInvalid when the staging is not verified or holds a NaN/infinite
-  /// weight (the error names the tensor and element), kOverloaded when another update is pending.
+  /// weight (the error names the tensor and element; VerifiedTensor::first_nonfinite, so this
+  /// reads no weights), kOverloaded when another update is pending.
   /// Queued requests holding no KV never delay an update. While paused, a drain update restarts
   /// the running sequences (they cannot finish without running).
   SubmitStatus SubmitUpdate(policy::WeightUpdateStaging* staging, InFlightMode mode,

@@ -1,5 +1,6 @@
 #include "rollout/model_runner.h"
 
+#include <cstring>
 #include <unordered_map>
 
 #include <ATen/ATen.h>
@@ -7,6 +8,7 @@
 #include <c10/core/InferenceMode.h>
 
 #include "cache/paged_kv_cache.h"
+#include "policy/check.h"
 #include "policy/llama_model.h"
 #include "rollout/sampler_kernels.h"
 
@@ -33,10 +35,35 @@ struct ModelRunner::Impl {
   std::vector<double> block_sums;   // [rows, ceil(vocab / kBlock)]
   std::vector<DistributionRow> rows;
   policy::ForwardBatch batch;  // reused between steps
+  // The weights checksum's per-parameter digests (policy::WeightsChecksumFromDigests), parallel
+  // to NamedParameters(): hashed from the model at construction, then replaced by ApplyWeights
+  // with the applied values' digests (the only place the weights change).
+  std::vector<std::string> param_names;
+  std::vector<uint64_t> param_numel;
+  std::vector<uint64_t> param_digests;
+  std::unordered_map<std::string, size_t> param_index;
 };
 
+namespace {
+
+/// TensorChecksum of a parameter's fp32 values, row-major, wherever the tensor lives.
+uint64_t ParamDigest(const at::Tensor& param) {
+  const at::Tensor host = param.to(at::kCPU).contiguous();
+  return policy::TensorChecksum(host.data_ptr<float>(), static_cast<size_t>(host.numel()) * sizeof(float));
+}
+
+}  // namespace
+
 ModelRunner::ModelRunner(const policy::Checkpoint& checkpoint, const ModelRunnerConfig& config)
-    : impl_(std::make_unique<Impl>(checkpoint, config)) {}
+    : impl_(std::make_unique<Impl>(checkpoint, config)) {
+  c10::InferenceMode guard;
+  for (const auto& [name, tensor] : impl_->model.NamedParameters()) {
+    impl_->param_index.emplace(name, impl_->param_names.size());
+    impl_->param_names.push_back(name);
+    impl_->param_numel.push_back(static_cast<uint64_t>(tensor.numel()));
+    impl_->param_digests.push_back(ParamDigest(tensor));
+  }
+}
 
 ModelRunner::~ModelRunner() = default;
 
@@ -51,21 +78,55 @@ std::vector<policy::ParamSpec> ModelRunner::ParamSpecs() const {
 void ModelRunner::ApplyWeights(const std::vector<policy::VerifiedTensor>& tensors) {
   c10::InferenceMode guard;
   const auto params = impl_->model.NamedParameters();
-  std::unordered_map<std::string, at::Tensor> by_name(params.begin(), params.end());
+  // Host fp32 destinations that are one contiguous range (every parameter of a CPU model: the
+  // fused q/k/v and gate/up views are row ranges) are copied as pieces of at most kPieceBytes by
+  // all intra-op threads; anything else goes through Tensor::copy_.
+  //   tensor t: [0 ... kPieceBytes)[kPieceBytes ... 2 kPieceBytes) ... [.. 4 * numel)
+  constexpr size_t kPieceBytes = size_t{1} << 20;
+  struct Piece {
+    char* dst;
+    const char* src;
+    size_t num_bytes;
+  };
+  std::vector<Piece> pieces;
   for (const policy::VerifiedTensor& t : tensors) {
-    at::Tensor dst = by_name.at(t.param->name);
-    dst.copy_(at::from_blob(const_cast<float*>(t.values->data()), dst.sizes(), at::kFloat));
+    const size_t index = impl_->param_index.at(t.param->name);
+    at::Tensor dst = params[index].second;
+    VROLL_CHECK(static_cast<uint64_t>(dst.numel()) == t.values->size(), "tensor {}: {} values for {} elements",
+                t.param->name, t.values->size(), dst.numel());
+    if (dst.device().is_cpu() && dst.scalar_type() == at::kFloat && dst.is_contiguous()) {
+      char* d = static_cast<char*>(dst.data_ptr());
+      const char* s = reinterpret_cast<const char*>(t.values->data());
+      const size_t num_bytes = t.values->size() * sizeof(float);
+      for (size_t offset = 0; offset < num_bytes; offset += kPieceBytes) {
+        pieces.push_back({d + offset, s + offset, std::min(kPieceBytes, num_bytes - offset)});
+      }
+    } else {
+      dst.copy_(at::from_blob(const_cast<float*>(t.values->data()), dst.sizes(), at::kFloat));
+    }
+    impl_->param_digests[index] = t.values_checksum;
   }
+  at::parallel_for(0, static_cast<int64_t>(pieces.size()), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) std::memcpy(pieces[i].dst, pieces[i].src, pieces[i].num_bytes);
+  });
 }
 
 uint64_t ModelRunner::WeightsChecksum() const {
+  std::vector<policy::NamedTensorDigest> digests;
+  digests.reserve(impl_->param_names.size());
+  for (size_t i = 0; i < impl_->param_names.size(); ++i) {
+    digests.push_back({impl_->param_names[i], impl_->param_numel[i], impl_->param_digests[i]});
+  }
+  return policy::WeightsChecksumFromDigests(std::move(digests));
+}
+
+uint64_t ModelRunner::RecomputeWeightsChecksum() const {
   c10::InferenceMode guard;
-  const auto params = impl_->model.NamedParameters();
-  std::vector<at::Tensor> contiguous;  // views (fused q/k/v rows) are contiguous row ranges already
+  std::vector<at::Tensor> host;  // keeps the hashed memory alive
   std::vector<policy::NamedTensorView> views;
-  for (const auto& [name, tensor] : params) {
-    contiguous.push_back(tensor.contiguous());
-    views.push_back({name, contiguous.back().data_ptr<float>(), static_cast<size_t>(tensor.numel())});
+  for (const auto& [name, tensor] : impl_->model.NamedParameters()) {
+    host.push_back(tensor.to(at::kCPU).contiguous());
+    views.push_back({name, host.back().data_ptr<float>(), static_cast<size_t>(tensor.numel())});
   }
   return policy::WeightsChecksum(std::move(views));
 }

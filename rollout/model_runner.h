@@ -49,12 +49,21 @@ class ModelRunner {
   /// The model's parameters (canonical names and shapes), in NamedParameters order.
   std::vector<policy::ParamSpec> ParamSpecs() const;
 
-  /// Copies verified fp32 values into the model's parameters (the swap of a weight update).
-  /// Tied heads share storage with the embedding, so they change with it.
+  /// Copies verified fp32 values into the model's parameters (the swap of a weight update), in
+  /// pieces spread over the intra-op threads, and records each tensor's values_checksum as its
+  /// digest for WeightsChecksum. Tied heads share storage with the embedding, so they change
+  /// with it. Cost: one copy of the tensors' bytes (memory bandwidth bound).
   void ApplyWeights(const std::vector<policy::VerifiedTensor>& tensors);
 
-  /// policy::WeightsChecksum over every parameter now in use.
+  /// policy::WeightsChecksum over every parameter now in use, assembled from per-parameter
+  /// digests (hashed from the model at construction, then taken from each applied update's
+  /// verified values) without reading the weights: O(parameters).
   uint64_t WeightsChecksum() const;
+
+  /// The same checksum recomputed by hashing the model's parameters as they are in memory:
+  /// O(weight bytes). For tests and checks; equals WeightsChecksum() unless the weights were
+  /// changed other than through ApplyWeights.
+  uint64_t RecomputeWeightsChecksum() const;
 
   /// Bytes of KV storage per block (all layers, K and V).
   int64_t bytes_per_block() const;
