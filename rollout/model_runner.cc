@@ -122,9 +122,10 @@ uint64_t ModelRunner::WeightsChecksum() const {
 
 uint64_t ModelRunner::RecomputeWeightsChecksum() const {
   c10::InferenceMode guard;
-  std::vector<at::Tensor> host;  // keeps the hashed memory alive
+  const auto params = impl_->model.NamedParameters();  // owns the names the views borrow
+  std::vector<at::Tensor> host;                         // keeps the hashed memory alive
   std::vector<policy::NamedTensorView> views;
-  for (const auto& [name, tensor] : impl_->model.NamedParameters()) {
+  for (const auto& [name, tensor] : params) {
     host.push_back(tensor.to(at::kCPU).contiguous());
     views.push_back({name, host.back().data_ptr<float>(), static_cast<size_t>(tensor.numel())});
   }
