@@ -2,6 +2,10 @@
 
 #include <xxhash.h>
 
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
 #include <algorithm>
 #include <cstring>
 #include <limits>
@@ -76,6 +80,45 @@ uint64_t FirstNonFinite(const uint8_t* bytes, uint64_t n) {
     }
   }
   return kNoElement;
+}
+
+/// memcpy with non-temporal stores where the destination is 16-byte aligned: the staged bytes
+/// go to memory without first reading the destination lines into the cache (and without
+/// evicting what the transfer keeps there); they are read next at apply, if at all. Call
+/// StoreFence before another thread may read the destination.
+void StreamingCopy(uint8_t* dst, const uint8_t* src, size_t n) {
+#if defined(__SSE2__)
+  constexpr size_t kMinBytes = 4096;  // below it a plain memcpy is as fast
+  if (n >= kMinBytes) {
+    const size_t head = (16 - (reinterpret_cast<uintptr_t>(dst) & 15)) & 15;
+    std::memcpy(dst, src, head);
+    dst += head;
+    src += head;
+    n -= head;
+    size_t i = 0;
+    for (; i + 64 <= n; i += 64) {
+      const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
+      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 16));
+      const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 32));
+      const __m128i d = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 48));
+      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i), a);
+      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 16), b);
+      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 32), c);
+      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 48), d);
+    }
+    std::memcpy(dst + i, src + i, n - i);
+    return;
+  }
+#endif
+  std::memcpy(dst, src, n);
+}
+
+/// Orders StreamingCopy's non-temporal stores before every later store (the hand-off to the
+/// engine thread goes through a mutex after it).
+void StoreFence() {
+#if defined(__SSE2__)
+  _mm_sfence();
+#endif
 }
 
 std::shared_ptr<XXH3_state_t> NewHashState() {
@@ -253,7 +296,7 @@ std::string WeightUpdateStaging::UnknownNameMessage(const std::string& name) con
 }
 
 uint8_t* WeightUpdateStaging::SourceBytes(Slot& slot) {
-  return slot.dtype == DType::kF32 ? reinterpret_cast<uint8_t*>(slot.values.data()) : slot.raw.data();
+  return slot.dtype == DType::kF32 ? reinterpret_cast<uint8_t*>(Values(slot)) : slot.raw.data();
 }
 
 UpdateStatus WeightUpdateStaging::CheckManifest(const UpdateManifest& manifest, PolicyVersion current_version) {
@@ -317,7 +360,8 @@ UpdateStatus WeightUpdateStaging::Begin(const UpdateManifest& manifest, PolicyVe
   for (size_t index : manifest_slots_) {
     Slot& slot = slots_[index];
     slot.written.clear();
-    slot.values.resize(slot.numel);  // no-op (no reallocation) once sized: shapes are fixed
+    if (slot.external == nullptr) slot.values.resize(slot.numel);  // no-op once sized: shapes are fixed
+    slot.span = FloatSpan(Values(slot), slot.numel);
     if (slot.dtype != DType::kF32) slot.raw.resize(slot.num_bytes);
     if (!slot.hash) slot.hash = NewHashState();
     VROLL_CHECK(XXH3_64bits_reset(slot.hash.get()) == XXH_OK, "XXH3_64bits_reset failed");
@@ -396,12 +440,13 @@ UpdateStatus WeightUpdateStaging::Write(const std::string& name, uint64_t offset
   if (begin == slot.num_hashed_bytes) {
     for (uint64_t pos = begin; pos < end; pos += kHashBlockBytes) {
       const uint64_t block_end = std::min<uint64_t>(end, pos + kHashBlockBytes);
-      std::memcpy(staged + pos, in + (pos - begin), block_end - pos);
-      HashPrefix(slot, block_end);
+      HashPrefix(slot, block_end, in + (pos - begin));                           // the bytes as received,
+      StreamingCopy(staged + pos, in + (pos - begin), block_end - pos);          // then staged, cache-hot
     }
   } else {
-    std::memcpy(staged + begin, in, num_bytes);
+    StreamingCopy(staged + begin, in, num_bytes);
   }
+  StoreFence();
   // Bytes written earlier right after this write (out of order) join the prefix now.
   if (written.front().first == 0 && written.front().second > slot.num_hashed_bytes) {
     HashPrefix(slot, written.front().second);
@@ -409,14 +454,31 @@ UpdateStatus WeightUpdateStaging::Write(const std::string& name, uint64_t offset
   return UpdateStatus::Ok();
 }
 
-void WeightUpdateStaging::HashPrefix(Slot& slot, uint64_t end) {
-  const uint8_t* staged = SourceBytes(slot);
-  XXH3_64bits_update(slot.hash.get(), staged + slot.num_hashed_bytes, end - slot.num_hashed_bytes);
+void WeightUpdateStaging::HashPrefix(Slot& slot, uint64_t end, const uint8_t* bytes) {
+  const uint64_t begin = slot.num_hashed_bytes;
+  if (bytes == nullptr) bytes = SourceBytes(slot) + begin;
+  XXH3_64bits_update(slot.hash.get(), bytes, end - begin);
   slot.num_hashed_bytes = end;
   if (slot.dtype != DType::kF32 || slot.first_nonfinite != kNoElement) return;
-  const uint64_t num_elems = end / sizeof(float);  // whole elements inside the prefix
-  const uint64_t first = FirstNonFinite(staged + slot.num_checked_elems * sizeof(float), num_elems - slot.num_checked_elems);
-  if (first != kNoElement) slot.first_nonfinite = slot.num_checked_elems + first;
+  // Elements [num_checked_elems, end / 4) are now whole. At most the first one starts before
+  // `begin` (a write that split it); its bytes are assembled from the staged copy and `bytes`.
+  //   staged ... [4i ..... begin)[begin ... 4i + 4) ... bytes ... end)
+  uint64_t i = slot.num_checked_elems;
+  const uint64_t num_elems = end / sizeof(float);
+  if (i < num_elems && i * sizeof(float) < begin) {
+    const uint8_t* staged = SourceBytes(slot);
+    uint8_t element[sizeof(float)];
+    for (uint64_t k = 0; k < sizeof(float); ++k) {
+      const uint64_t at = i * sizeof(float) + k;
+      element[k] = at < begin ? staged[at] : bytes[at - begin];
+    }
+    if (FirstNonFinite(element, 1) != kNoElement) slot.first_nonfinite = i;
+    ++i;
+  }
+  if (i < num_elems && slot.first_nonfinite == kNoElement) {
+    const uint64_t first = FirstNonFinite(bytes + (i * sizeof(float) - begin), num_elems - i);
+    if (first != kNoElement) slot.first_nonfinite = i + first;
+  }
   slot.num_checked_elems = num_elems;
 }
 
@@ -468,14 +530,14 @@ UpdateStatus WeightUpdateStaging::Verify() {
   // hashed and checked on arrival), hashing and checking each converted block while in cache.
   for (size_t index : manifest_slots_) {
     Slot& slot = slots_[index];
-    VROLL_CHECK(slot.values.size() == slot.numel, "tensor {}: fp32 buffer holds {} of {} floats", params_[index].name,
-                slot.values.size(), slot.numel);
+    VROLL_CHECK(slot.external != nullptr || slot.values.size() == slot.numel,
+                "tensor {}: fp32 buffer holds {} of {} floats", params_[index].name, slot.values.size(), slot.numel);
     if (slot.dtype == DType::kF32) {
       VROLL_CHECK(slot.first_nonfinite != kNoElement || slot.num_checked_elems == slot.numel,
                   "tensor {}: {} of {} values checked", params_[index].name, slot.num_checked_elems, slot.numel);
       slot.values_checksum = slot.checksum;  // verified above: the source bytes are the fp32 values
     } else {
-      float* out = slot.values.data();
+      float* out = Values(slot);
       const uint8_t* in = slot.raw.data();
       const bool half = slot.dtype == DType::kF16;
       VROLL_CHECK(XXH3_64bits_reset(slot.hash.get()) == XXH_OK, "XXH3_64bits_reset failed");
@@ -500,7 +562,7 @@ UpdateStatus WeightUpdateStaging::Verify() {
   for (size_t i = 0; i < params_.size(); ++i) {
     const Slot& slot = slots_[i];
     if (!slot.in_manifest) continue;
-    verified_.push_back({&params_[i], &slot.values, slot.values_checksum,
+    verified_.push_back({&params_[i], &slot.span, slot.values_checksum,
                          slot.first_nonfinite == kNoElement ? std::nullopt : std::optional<uint64_t>(slot.first_nonfinite)});
   }
   state_ = State::kVerified;
@@ -522,6 +584,14 @@ void WeightUpdateStaging::Abort() {
   poison_cause_.clear();
   pending_version_ = 0;
   state_ = State::kIdle;
+}
+
+void WeightUpdateStaging::UseValueBuffers(const std::vector<float*>& buffers) {
+  if (buffers.size() != params_.size()) {
+    throw WeightUpdateError(fmt::format("UseValueBuffers: {} buffers for {} parameters", buffers.size(), params_.size()));
+  }
+  if (state_ == State::kStaging) throw WeightUpdateError("UseValueBuffers called while a transaction is staging");
+  for (size_t i = 0; i < params_.size(); ++i) slots_[i].external = buffers[i];
 }
 
 void WeightUpdateStaging::Finish() {

@@ -176,12 +176,29 @@ class [[nodiscard]] UpdateStatus {
   std::string error_;
 };
 
+/// A borrowed run of fp32 values: `size()` floats at `data()`.
+class FloatSpan {
+ public:
+  FloatSpan() = default;
+  FloatSpan(const float* data, size_t size) : data_(data), size_(size) {}
+  const float* data() const { return data_; }
+  size_t size() const { return size_; }
+  float operator[](size_t i) const { return data_[i]; }
+  const float* begin() const { return data_; }
+  const float* end() const { return data_ + size_; }
+
+ private:
+  const float* data_ = nullptr;
+  size_t size_ = 0;
+};
+
 /// A verified tensor: the model parameter it replaces and its staged fp32 values
-/// (prod(param->shape) floats, row-major). Both pointers are owned by the WeightUpdateStaging and
-/// stay valid until its next Begin, Abort or Finish.
+/// (prod(param->shape) floats, row-major). Both pointers are owned by the WeightUpdateStaging
+/// (the values may lie in a buffer given to UseValueBuffers) and stay valid until its next
+/// Begin, Abort or Finish.
 struct VerifiedTensor {
   const ParamSpec* param = nullptr;
-  const std::vector<float>* values = nullptr;
+  const FloatSpan* values = nullptr;
   /// TensorChecksum of the 4 * numel bytes of *values (the fp32 values, not the source bytes):
   /// the tensor's digest in WeightsChecksumFromDigests. Computed while staging, never re-read.
   uint64_t values_checksum = 0;
@@ -195,7 +212,9 @@ struct VerifiedTensor {
 /// Ownership: owns one fp32 buffer per parameter that an update has named (allocated on first
 /// use, then reused: a full update holds one fp32 copy of the model) plus one raw buffer per
 /// parameter ever sent as fp16/bf16 (2 bytes per element; fp32 sources are written straight into
-/// the fp32 buffer). Buffers are never released or shrunk while the object lives.
+/// the fp32 buffer). Buffers are never released or shrunk while the object lives. A parameter
+/// given a buffer by UseValueBuffers stages its fp32 values there instead (borrowed, not owned):
+/// this is how the engine swaps staged buffers into the model instead of copying them.
 ///
 /// Thread safety: not thread-safe. One owner thread (the engine thread, or a transport thread
 /// that hands the verified transaction to the engine thread by message) makes every call.
@@ -233,12 +252,11 @@ class WeightUpdateStaging {
   /// it is refused and changes nothing. An empty write inside the range is a no-op.
   /// `data` may be null only when num_bytes == 0 (else WeightUpdateError).
   /// Hashing on arrival: the tensor's checksum is computed over its written prefix [0, p) as
-  /// that prefix grows. A write at byte p (chunks in order, what every client sends) is copied
-  /// and hashed block by block while the block is in cache (fp32 sources are also checked for
-  /// NaN/inf there); bytes written ahead of the prefix are hashed from the buffer once the gap
-  /// before them is filled. What is hashed is the staged copy, so Verify compares the bytes that
-  /// will be applied. Cost: one memcpy and one XXH3 pass over cache-hot bytes, plus O(log k + k)
-  /// for k disjoint ranges already written to this tensor.
+  /// that prefix grows. A write at byte p (chunks in order, what every client sends) is hashed
+  /// block by block as received (fp32 sources are also checked for NaN/inf there), each block
+  /// then copied while in cache, with non-temporal stores; bytes written ahead of the prefix are
+  /// hashed from the staged copy once the gap before them is filled. Cost: one XXH3 pass and one
+  /// streaming copy of the bytes, plus O(log k + k) for k disjoint ranges already written.
   UpdateStatus Write(const std::string& name, uint64_t offset, const void* data, size_t num_bytes);
 
   /// The commit check. kStaging -> kVerified when every manifest tensor was written completely
@@ -259,6 +277,14 @@ class WeightUpdateStaging {
 
   /// Discards the transaction, whatever its state: any -> kIdle. Buffers are kept for reuse.
   void Abort();
+
+  /// Where each parameter's fp32 values are staged from the next Begin on: `buffers[i]` (parallel
+  /// to params(); prod(shape) floats, borrowed: it must stay valid and untouched by others until
+  /// the next UseValueBuffers or the staging's end) or, when null, the staging's own buffer. Call
+  /// in kIdle or kPoisoned, or in kVerified after the verified values were applied (before
+  /// Finish: verified() then points into the new buffers, which is fine since it is not read
+  /// again). Throws WeightUpdateError for a wrong count or in kStaging.
+  void UseValueBuffers(const std::vector<float*>& buffers);
 
   /// Closes a transaction whose verified() was applied: kVerified -> kIdle (else
   /// WeightUpdateError). Buffers are kept for reuse.
@@ -294,7 +320,9 @@ class WeightUpdateStaging {
     //   [0 ........ a)   [b ...... c)        [d ... num_bytes)
     //   written           written             written
     std::vector<std::pair<uint64_t, uint64_t>> written;
-    std::vector<float> values;  // fp32 staging buffer, numel floats once used
+    std::vector<float> values;  // fp32 staging buffer, numel floats once used (own buffer only)
+    float* external = nullptr;  // UseValueBuffers' buffer for this parameter, or null
+    FloatSpan span;             // the staged fp32 values: `external` or `values`
     std::vector<uint8_t> raw;   // raw 16-bit source bytes (fp16/bf16 sources only)
     // Hashing on arrival: the source bytes [0, num_hashed_bytes) went into `hash` (a written
     // prefix); fp32 elements [0, num_checked_elems) were checked for NaN/inf, the first bad one
@@ -308,14 +336,17 @@ class WeightUpdateStaging {
     uint64_t values_checksum = 0;  // TensorChecksum of the fp32 values, set by Verify
   };
 
-  /// Feeds the slot's source bytes [num_hashed_bytes, end) into its hash (all written).
-  static void HashPrefix(Slot& slot, uint64_t end);
+  /// Feeds the slot's source bytes [num_hashed_bytes, end) into its hash and checks the fp32
+  /// elements that became whole. `bytes` holds those bytes (the chunk as received); null: read
+  /// them from the staged copy (all written).
+  static void HashPrefix(Slot& slot, uint64_t end, const uint8_t* bytes = nullptr);
 
   UpdateStatus Poison(std::string cause);
   UpdateStatus CheckManifest(const UpdateManifest& manifest, PolicyVersion current_version);
   std::string UnknownNameMessage(const std::string& name) const;
   std::string Prefix() const;
   static uint8_t* SourceBytes(Slot& slot);
+  static float* Values(Slot& slot) { return slot.external != nullptr ? slot.external : slot.values.data(); }
 
   // Immutable after construction.
   std::vector<ParamSpec> params_;

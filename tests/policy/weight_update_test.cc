@@ -348,7 +348,7 @@ void ExpectVerifiedEquals(const WeightUpdateStaging& staging, const std::vector<
     previous_index = index;
     ASSERT_EQ(by_name.count(param->name), 1u) << param->name;
     const SourceTensor& source = *by_name[param->name];
-    const std::vector<float>& values = *verified[i].values;
+    const FloatSpan& values = *verified[i].values;
     ASSERT_EQ(values.size(), source.expected.size()) << param->name;
     for (size_t j = 0; j < values.size(); ++j) {
       ASSERT_TRUE(SameFloat(values[j], source.expected[j]))

@@ -50,10 +50,14 @@ WeightMap Perturbed(const WeightMap& weights, uint64_t seed) {
   return w;
 }
 
-class ModelRunnerUpdateTest : public ::testing::Test {
+/// Parameter: whether the staging stages into the runner's spare buffers (applied by swapping
+/// storages) or into its own (applied by copying).
+class ModelRunnerUpdateTest : public ::testing::TestWithParam<bool> {
  protected:
   ModelRunnerUpdateTest()
-      : base_(policy::MakeDefaultCheckpoint(21)), runner_(base_, ModelRunnerConfig{8, 16}), staging_(runner_.ParamSpecs()) {}
+      : base_(policy::MakeDefaultCheckpoint(21)), runner_(base_, ModelRunnerConfig{8, 16}), staging_(runner_.ParamSpecs()) {
+    if (GetParam()) staging_.UseValueBuffers(runner_.StagingBuffers());
+  }
 
   /// Stages `sources` (name -> source bytes of `dtype`) as `version`, verifies, applies.
   void Apply(const std::map<std::string, std::vector<uint8_t>>& sources, DType dtype, PolicyVersion version,
@@ -75,7 +79,18 @@ class ModelRunnerUpdateTest : public ::testing::Test {
     }
     const policy::UpdateStatus verified = staging_.Verify();
     ASSERT_TRUE(verified.ok()) << verified.error();
+    const std::vector<float*> spares = runner_.StagingBuffers();
     runner_.ApplyWeights(staging_.verified());
+    if (GetParam()) {
+      // Every model storage the update covers completely was swapped: its spare changed.
+      const std::vector<float*> now = runner_.StagingBuffers();
+      int64_t num_changed = 0;
+      for (size_t i = 0; i < now.size(); ++i) num_changed += now[i] != spares[i];
+      EXPECT_EQ(num_changed > 0, runner_.num_swapped_groups() > 0);
+      staging_.UseValueBuffers(now);
+    } else {
+      EXPECT_EQ(runner_.num_swapped_groups(), 0);
+    }
     staging_.Finish();
   }
 
@@ -91,7 +106,7 @@ class ModelRunnerUpdateTest : public ::testing::Test {
   WeightMap expected_ = base_.weights;  // what the model must hold
 };
 
-TEST_F(ModelRunnerUpdateTest, AckChecksumEqualsAnIndependentRecomputeOverTheModelAfterEachUpdate) {
+TEST_P(ModelRunnerUpdateTest, AckChecksumEqualsAnIndependentRecomputeOverTheModelAfterEachUpdate) {
   ASSERT_NO_FATAL_FAILURE(ExpectChecksumsMatchTheModel());  // the initial weights
 
   // 1. A full fp32 update.
@@ -102,9 +117,23 @@ TEST_F(ModelRunnerUpdateTest, AckChecksumEqualsAnIndependentRecomputeOverTheMode
     std::memcpy(fp32[name].data(), t.data.data(), fp32[name].size());
   }
   ASSERT_NO_FATAL_FAILURE(Apply(fp32, DType::kF32, 1, /*partial=*/false));
+  if (GetParam()) {  // every storage of the model was swapped (host fp32, exactly tiled)
+    const std::vector<float*> spares = runner_.StagingBuffers();
+    const std::vector<policy::ParamSpec> specs = runner_.ParamSpecs();
+    for (size_t i = 0; i < spares.size(); ++i) EXPECT_NE(spares[i], nullptr) << specs[i].name;
+    EXPECT_GT(runner_.num_swapped_groups(), 0);
+  }
   ASSERT_NO_FATAL_FAILURE(ExpectChecksumsMatchTheModel());
+  // Twice more, so that a swapped-in buffer is staged into again and swapped back.
+  for (PolicyVersion v : {PolicyVersion{2}, PolicyVersion{3}}) {
+    expected_ = Perturbed(base_.weights, 10 + v);
+    for (const auto& [name, t] : expected_) std::memcpy(fp32[name].data(), t.data.data(), fp32[name].size());
+    ASSERT_NO_FATAL_FAILURE(Apply(fp32, DType::kF32, v, /*partial=*/false));
+    ASSERT_NO_FATAL_FAILURE(ExpectChecksumsMatchTheModel());
+  }
 
   // 2. A partial bf16 update of two tensors (the others keep their values and digests).
+  const WeightMap before_partial = expected_;
   const WeightMap next = Perturbed(base_.weights, 2);
   std::map<std::string, std::vector<uint8_t>> bf16;
   for (const std::string name : {"model.layers.0.self_attn.k_proj.weight", "model.layers.1.mlp.up_proj.weight"}) {
@@ -119,10 +148,16 @@ TEST_F(ModelRunnerUpdateTest, AckChecksumEqualsAnIndependentRecomputeOverTheMode
       std::memcpy(&values[i], &bits, 4);
     }
   }
-  ASSERT_NO_FATAL_FAILURE(Apply(bf16, DType::kBF16, 2, /*partial=*/true));
+  ASSERT_NO_FATAL_FAILURE(Apply(bf16, DType::kBF16, 4, /*partial=*/true));
+  EXPECT_EQ(runner_.num_swapped_groups(), 0);  // k_proj and up_proj share fused storages: copied
   ASSERT_NO_FATAL_FAILURE(ExpectChecksumsMatchTheModel());
-  EXPECT_NE(runner_.WeightsChecksum(), SpecifiedChecksum(Perturbed(base_.weights, 1)));
+  EXPECT_NE(runner_.WeightsChecksum(), SpecifiedChecksum(before_partial));
 }
+
+INSTANTIATE_TEST_SUITE_P(Staging, ModelRunnerUpdateTest, ::testing::Values(false, true),
+                         [](const ::testing::TestParamInfo<bool>& info) {
+                           return std::string(info.param ? "SwappedFromSpareBuffers" : "CopiedFromOwnBuffers");
+                         });
 
 }  // namespace
 }  // namespace vroll::rollout
