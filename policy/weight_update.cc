@@ -2,6 +2,10 @@
 
 #include <xxhash.h>
 
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
 #include <algorithm>
 #include <cstring>
 #include <limits>
@@ -47,6 +51,80 @@ void AppendU64Le(XXH3_state_t* state, uint64_t value) {
   uint8_t bytes[8];
   for (int i = 0; i < 8; ++i) bytes[i] = static_cast<uint8_t>(value >> (8 * i));
   XXH3_64bits_update(state, bytes, sizeof(bytes));
+}
+
+/// "No element": Slot::first_nonfinite when every checked value is finite.
+constexpr uint64_t kNoElement = std::numeric_limits<uint64_t>::max();
+
+/// Bytes copied (or converted) and then hashed while still in cache: well inside L2.
+constexpr size_t kHashBlockBytes = size_t{128} << 10;
+
+/// Index of the first NaN/inf among the `n` little-endian fp32 values at `bytes`, or kNoElement.
+/// Branch-free over blocks of 256 values so that the compiler vectorizes the scan.
+uint64_t FirstNonFinite(const uint8_t* bytes, uint64_t n) {
+  constexpr uint32_t kExponent = 0x7f800000u;  // all ones: inf or NaN
+  constexpr uint64_t kBlock = 256;
+  for (uint64_t begin = 0; begin < n; begin += kBlock) {
+    const uint64_t end = std::min(n, begin + kBlock);
+    uint32_t any = 0;
+    for (uint64_t i = begin; i < end; ++i) {
+      uint32_t bits;
+      std::memcpy(&bits, bytes + 4 * i, sizeof(bits));
+      any |= static_cast<uint32_t>((bits & kExponent) == kExponent);
+    }
+    if (any == 0) continue;
+    for (uint64_t i = begin; i < end; ++i) {
+      uint32_t bits;
+      std::memcpy(&bits, bytes + 4 * i, sizeof(bits));
+      if ((bits & kExponent) == kExponent) return i;
+    }
+  }
+  return kNoElement;
+}
+
+/// memcpy with non-temporal stores where the destination is 16-byte aligned: the staged bytes
+/// go to memory without first reading the destination lines into the cache (and without
+/// evicting what the transfer keeps there); they are read next at apply, if at all. Call
+/// StoreFence before another thread may read the destination.
+void StreamingCopy(uint8_t* dst, const uint8_t* src, size_t n) {
+#if defined(__SSE2__)
+  constexpr size_t kMinBytes = 4096;  // below it a plain memcpy is as fast
+  if (n >= kMinBytes) {
+    const size_t head = (16 - (reinterpret_cast<uintptr_t>(dst) & 15)) & 15;
+    std::memcpy(dst, src, head);
+    dst += head;
+    src += head;
+    n -= head;
+    size_t i = 0;
+    for (; i + 64 <= n; i += 64) {
+      const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
+      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 16));
+      const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 32));
+      const __m128i d = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 48));
+      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i), a);
+      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 16), b);
+      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 32), c);
+      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 48), d);
+    }
+    std::memcpy(dst + i, src + i, n - i);
+    return;
+  }
+#endif
+  std::memcpy(dst, src, n);
+}
+
+/// Orders StreamingCopy's non-temporal stores before every later store (the hand-off to the
+/// engine thread goes through a mutex after it).
+void StoreFence() {
+#if defined(__SSE2__)
+  _mm_sfence();
+#endif
+}
+
+std::shared_ptr<XXH3_state_t> NewHashState() {
+  std::shared_ptr<XXH3_state_t> state(XXH3_createState(), [](XXH3_state_t* s) { XXH3_freeState(s); });
+  VROLL_CHECK(state != nullptr, "XXH3_createState failed");
+  return state;
 }
 
 }  // namespace
@@ -113,28 +191,35 @@ uint64_t TensorChecksum(const void* bytes, size_t num_bytes) {
 }
 
 uint64_t WeightsChecksum(std::vector<NamedTensorView> tensors) {
+  std::vector<NamedTensorDigest> digests;
+  digests.reserve(tensors.size());
+  for (const NamedTensorView& tensor : tensors) {
+    if (tensor.data == nullptr && tensor.numel > 0) {
+      throw WeightUpdateError(fmt::format("WeightsChecksum: tensor '{}' has numel {} but null data",
+                                          tensor.name, tensor.numel));
+    }
+    digests.push_back({tensor.name, tensor.numel, TensorChecksum(tensor.data, tensor.numel * sizeof(float))});
+  }
+  return WeightsChecksumFromDigests(std::move(digests));
+}
+
+uint64_t WeightsChecksumFromDigests(std::vector<NamedTensorDigest> tensors) {
   // std::string_view compares through char_traits<char>, i.e. as unsigned bytes: Python's order
   // for UTF-8 encoded names.
   std::sort(tensors.begin(), tensors.end(),
-            [](const NamedTensorView& a, const NamedTensorView& b) { return a.name < b.name; });
-  for (size_t i = 0; i < tensors.size(); ++i) {
-    if (i > 0 && tensors[i].name == tensors[i - 1].name) {
+            [](const NamedTensorDigest& a, const NamedTensorDigest& b) { return a.name < b.name; });
+  for (size_t i = 1; i < tensors.size(); ++i) {
+    if (tensors[i].name == tensors[i - 1].name) {
       throw WeightUpdateError(fmt::format("WeightsChecksum: tensor name '{}' appears twice", tensors[i].name));
     }
-    if (tensors[i].data == nullptr && tensors[i].numel > 0) {
-      throw WeightUpdateError(fmt::format("WeightsChecksum: tensor '{}' has numel {} but null data",
-                                          tensors[i].name, tensors[i].numel));
-    }
   }
-  std::unique_ptr<XXH3_state_t, decltype(&XXH3_freeState)> state(XXH3_createState(), &XXH3_freeState);
-  VROLL_CHECK(state != nullptr, "XXH3_createState failed");
+  const std::shared_ptr<XXH3_state_t> state = NewHashState();
   VROLL_CHECK(XXH3_64bits_reset(state.get()) == XXH_OK, "XXH3_64bits_reset failed");
-  for (const NamedTensorView& tensor : tensors) {
+  for (const NamedTensorDigest& tensor : tensors) {
     AppendU64Le(state.get(), tensor.name.size());
     XXH3_64bits_update(state.get(), tensor.name.data(), tensor.name.size());
-    const uint64_t num_bytes = uint64_t{tensor.numel} * sizeof(float);
-    AppendU64Le(state.get(), num_bytes);
-    if (num_bytes > 0) XXH3_64bits_update(state.get(), tensor.data, num_bytes);
+    AppendU64Le(state.get(), tensor.numel * sizeof(float));
+    AppendU64Le(state.get(), tensor.digest);
   }
   return XXH3_64bits_digest(state.get());
 }
@@ -211,7 +296,7 @@ std::string WeightUpdateStaging::UnknownNameMessage(const std::string& name) con
 }
 
 uint8_t* WeightUpdateStaging::SourceBytes(Slot& slot) {
-  return slot.dtype == DType::kF32 ? reinterpret_cast<uint8_t*>(slot.values.data()) : slot.raw.data();
+  return slot.dtype == DType::kF32 ? reinterpret_cast<uint8_t*>(Values(slot)) : slot.raw.data();
 }
 
 UpdateStatus WeightUpdateStaging::CheckManifest(const UpdateManifest& manifest, PolicyVersion current_version) {
@@ -275,8 +360,15 @@ UpdateStatus WeightUpdateStaging::Begin(const UpdateManifest& manifest, PolicyVe
   for (size_t index : manifest_slots_) {
     Slot& slot = slots_[index];
     slot.written.clear();
-    slot.values.resize(slot.numel);  // no-op (no reallocation) once sized: shapes are fixed
+    if (slot.external == nullptr) slot.values.resize(slot.numel);  // no-op once sized: shapes are fixed
+    slot.span = FloatSpan(Values(slot), slot.numel);
     if (slot.dtype != DType::kF32) slot.raw.resize(slot.num_bytes);
+    if (!slot.hash) slot.hash = NewHashState();
+    VROLL_CHECK(XXH3_64bits_reset(slot.hash.get()) == XXH_OK, "XXH3_64bits_reset failed");
+    slot.num_hashed_bytes = 0;
+    slot.num_checked_elems = 0;
+    slot.first_nonfinite = kNoElement;
+    slot.values_checksum = 0;
   }
   state_ = State::kStaging;
   return UpdateStatus::Ok();
@@ -341,8 +433,53 @@ UpdateStatus WeightUpdateStaging::Write(const std::string& name, uint64_t offset
   } else {
     written.insert(next, {begin, end});
   }
-  std::memcpy(SourceBytes(slot) + offset, data, num_bytes);
+  // Copy; when the write extends the hashed prefix, copy and hash block by block so that each
+  // block is hashed (and checked) while in cache.
+  uint8_t* staged = SourceBytes(slot);
+  const uint8_t* in = static_cast<const uint8_t*>(data);
+  if (begin == slot.num_hashed_bytes) {
+    for (uint64_t pos = begin; pos < end; pos += kHashBlockBytes) {
+      const uint64_t block_end = std::min<uint64_t>(end, pos + kHashBlockBytes);
+      HashPrefix(slot, block_end, in + (pos - begin));                           // the bytes as received,
+      StreamingCopy(staged + pos, in + (pos - begin), block_end - pos);          // then staged, cache-hot
+    }
+  } else {
+    StreamingCopy(staged + begin, in, num_bytes);
+  }
+  StoreFence();
+  // Bytes written earlier right after this write (out of order) join the prefix now.
+  if (written.front().first == 0 && written.front().second > slot.num_hashed_bytes) {
+    HashPrefix(slot, written.front().second);
+  }
   return UpdateStatus::Ok();
+}
+
+void WeightUpdateStaging::HashPrefix(Slot& slot, uint64_t end, const uint8_t* bytes) {
+  const uint64_t begin = slot.num_hashed_bytes;
+  if (bytes == nullptr) bytes = SourceBytes(slot) + begin;
+  XXH3_64bits_update(slot.hash.get(), bytes, end - begin);
+  slot.num_hashed_bytes = end;
+  if (slot.dtype != DType::kF32 || slot.first_nonfinite != kNoElement) return;
+  // Elements [num_checked_elems, end / 4) are now whole. At most the first one starts before
+  // `begin` (a write that split it); its bytes are assembled from the staged copy and `bytes`.
+  //   staged ... [4i ..... begin)[begin ... 4i + 4) ... bytes ... end)
+  uint64_t i = slot.num_checked_elems;
+  const uint64_t num_elems = end / sizeof(float);
+  if (i < num_elems && i * sizeof(float) < begin) {
+    const uint8_t* staged = SourceBytes(slot);
+    uint8_t element[sizeof(float)];
+    for (uint64_t k = 0; k < sizeof(float); ++k) {
+      const uint64_t at = i * sizeof(float) + k;
+      element[k] = at < begin ? staged[at] : bytes[at - begin];
+    }
+    if (FirstNonFinite(element, 1) != kNoElement) slot.first_nonfinite = i;
+    ++i;
+  }
+  if (i < num_elems && slot.first_nonfinite == kNoElement) {
+    const uint64_t first = FirstNonFinite(bytes + (i * sizeof(float) - begin), num_elems - i);
+    if (first != kNoElement) slot.first_nonfinite = i + first;
+  }
+  slot.num_checked_elems = num_elems;
 }
 
 UpdateStatus WeightUpdateStaging::Verify() {
@@ -376,10 +513,12 @@ UpdateStatus WeightUpdateStaging::Verify() {
     return Poison(fmt::format("{}tensor {}: incomplete, {} of {} bytes written; first missing bytes [{}, {})",
                               Prefix(), params_[index].name, num_written, slot.num_bytes, gap_begin, gap_end));
   }
-  // 2. Checksums over the raw source bytes as sent.
+  // 2. Checksums over the raw source bytes as sent: hashed as they arrived (Write), so only bytes
+  // that never joined a growing prefix are left (none when chunks come in order).
   for (size_t index : manifest_slots_) {
     Slot& slot = slots_[index];
-    const uint64_t actual = TensorChecksum(SourceBytes(slot), slot.num_bytes);
+    if (slot.num_hashed_bytes < slot.num_bytes) HashPrefix(slot, slot.num_bytes);
+    const uint64_t actual = XXH3_64bits_digest(slot.hash.get());
     if (actual != slot.checksum) {
       return Poison(fmt::format(
           "{}tensor {}: checksum mismatch: manifest says {:#018x}, the {} {} bytes received hash to {:#018x} "
@@ -387,22 +526,44 @@ UpdateStatus WeightUpdateStaging::Verify() {
           Prefix(), params_[index].name, slot.checksum, slot.num_bytes, DTypeName(slot.dtype), actual));
     }
   }
-  // 3. Convert 16-bit sources into the fp32 buffers (fp32 sources were written in place).
+  // 3. Convert 16-bit sources into the fp32 buffers (fp32 sources were written in place, and
+  // hashed and checked on arrival), hashing and checking each converted block while in cache.
   for (size_t index : manifest_slots_) {
     Slot& slot = slots_[index];
-    VROLL_CHECK(slot.values.size() == slot.numel, "tensor {}: fp32 buffer holds {} of {} floats", params_[index].name,
-                slot.values.size(), slot.numel);
-    float* out = slot.values.data();
-    const uint8_t* in = slot.raw.data();
-    if (slot.dtype == DType::kF16) {
-      for (uint64_t i = 0; i < slot.numel; ++i) out[i] = HalfToFloat(LoadU16(in + 2 * i));
-    } else if (slot.dtype == DType::kBF16) {
-      for (uint64_t i = 0; i < slot.numel; ++i) out[i] = BFloat16ToFloat(LoadU16(in + 2 * i));
+    VROLL_CHECK(slot.external != nullptr || slot.values.size() == slot.numel,
+                "tensor {}: fp32 buffer holds {} of {} floats", params_[index].name, slot.values.size(), slot.numel);
+    if (slot.dtype == DType::kF32) {
+      VROLL_CHECK(slot.first_nonfinite != kNoElement || slot.num_checked_elems == slot.numel,
+                  "tensor {}: {} of {} values checked", params_[index].name, slot.num_checked_elems, slot.numel);
+      slot.values_checksum = slot.checksum;  // verified above: the source bytes are the fp32 values
+    } else {
+      float* out = Values(slot);
+      const uint8_t* in = slot.raw.data();
+      const bool half = slot.dtype == DType::kF16;
+      VROLL_CHECK(XXH3_64bits_reset(slot.hash.get()) == XXH_OK, "XXH3_64bits_reset failed");
+      constexpr uint64_t kBlockElems = kHashBlockBytes / sizeof(float);
+      for (uint64_t begin = 0; begin < slot.numel; begin += kBlockElems) {
+        const uint64_t end = std::min(slot.numel, begin + kBlockElems);
+        if (half) {
+          for (uint64_t i = begin; i < end; ++i) out[i] = HalfToFloat(LoadU16(in + 2 * i));
+        } else {
+          for (uint64_t i = begin; i < end; ++i) out[i] = BFloat16ToFloat(LoadU16(in + 2 * i));
+        }
+        XXH3_64bits_update(slot.hash.get(), out + begin, (end - begin) * sizeof(float));
+        if (slot.first_nonfinite == kNoElement) {
+          const uint64_t first = FirstNonFinite(reinterpret_cast<const uint8_t*>(out + begin), end - begin);
+          if (first != kNoElement) slot.first_nonfinite = begin + first;
+        }
+      }
+      slot.values_checksum = XXH3_64bits_digest(slot.hash.get());
     }
   }
   verified_.clear();
   for (size_t i = 0; i < params_.size(); ++i) {
-    if (slots_[i].in_manifest) verified_.push_back({&params_[i], &slots_[i].values});
+    const Slot& slot = slots_[i];
+    if (!slot.in_manifest) continue;
+    verified_.push_back({&params_[i], &slot.span, slot.values_checksum,
+                         slot.first_nonfinite == kNoElement ? std::nullopt : std::optional<uint64_t>(slot.first_nonfinite)});
   }
   state_ = State::kVerified;
   return UpdateStatus::Ok();
@@ -423,6 +584,14 @@ void WeightUpdateStaging::Abort() {
   poison_cause_.clear();
   pending_version_ = 0;
   state_ = State::kIdle;
+}
+
+void WeightUpdateStaging::UseValueBuffers(const std::vector<float*>& buffers) {
+  if (buffers.size() != params_.size()) {
+    throw WeightUpdateError(fmt::format("UseValueBuffers: {} buffers for {} parameters", buffers.size(), params_.size()));
+  }
+  if (state_ == State::kStaging) throw WeightUpdateError("UseValueBuffers called while a transaction is staging");
+  for (size_t i = 0; i < params_.size(); ++i) slots_[i].external = buffers[i];
 }
 
 void WeightUpdateStaging::Finish() {

@@ -30,6 +30,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -40,6 +41,8 @@
 
 #include "policy/policy_version.h"
 #include "policy/weights.h"
+
+struct XXH3_state_s;  // xxhash.h's XXH3_state_t, kept out of this header
 
 namespace vroll::policy {
 
@@ -89,6 +92,13 @@ struct NamedTensorView {
   size_t numel = 0;
 };
 
+/// One named fp32 tensor by its digest: `digest` = TensorChecksum of its 4 * numel data bytes.
+struct NamedTensorDigest {
+  std::string_view name;
+  uint64_t numel = 0;
+  uint64_t digest = 0;
+};
+
 /// One 64-bit checksum of a set of named fp32 tensors: what the worker reports in an update's
 /// acknowledgement so the trainer can check the weights now in use. Definition (seed 0):
 ///
@@ -97,19 +107,27 @@ struct NamedTensorView {
 ///   for each tensor:
 ///     h.update(u64le(len(name_bytes)))   # 8 bytes
 ///     h.update(name_bytes)               # UTF-8, no terminator
-///     h.update(u64le(4 * numel))         # 8 bytes: number of data bytes that follow
-///     h.update(data as float32 little-endian, row-major)
+///     h.update(u64le(4 * numel))         # 8 bytes: number of data bytes the digest covers
+///     h.update(u64le(XXH3_64(data)))     # 8 bytes: the tensor's digest, data as float32
+///                                        #   little-endian, row-major (= TensorChecksum)
 ///   return h.digest()
 ///
-/// The length prefixes make the byte stream unambiguous ("ab"+data never collides with "a"+"b"...).
-/// Streaming equals one shot over the concatenation, so a client may also hash the concatenated
-/// bytes once. Shapes are not hashed (they are fixed by the model). An empty set hashes to
-/// XXH3_64bits("") = 0x2d06800538d394c2. Worked example: {"a": [1.0, 2.0], "b": [-0.5]} is the
-/// 46-byte stream (hex) 0100000000000000 61 0800000000000000 0000803f00000040
-///                      0100000000000000 62 0400000000000000 000000bf
-/// and hashes to 0xdb40b7aa04e0f55d. Throws WeightUpdateError on a duplicate name or a null
+/// It is a hash of per-tensor digests, not of the concatenated data, so that it can be assembled
+/// without another pass over the weights: for an fp32 tensor the digest is exactly the manifest
+/// checksum the trainer already computed and the worker verified on arrival, and a worker keeps
+/// the digest of every parameter in use. The length prefixes make the byte stream unambiguous.
+/// Shapes are not hashed (they are fixed by the model). An empty set hashes to XXH3_64bits("") =
+/// 0x2d06800538d394c2. Worked example: {"a": [1.0, 2.0], "b": [-0.5]}: XXH3_64(0000803f00000040)
+/// = 0x4de8d78f7134f4b7, XXH3_64(000000bf) = 0x7d99fbe36c125803, so the 50-byte stream (hex) is
+///   0100000000000000 61 0800000000000000 b7f434718fd7e84d
+///   0100000000000000 62 0400000000000000 0358126ce3fb997d
+/// and hashes to 0xcac5fea618160d40. Throws WeightUpdateError on a duplicate name or a null
 /// `data` with numel > 0. Complexity: O(total bytes + n log n).
 uint64_t WeightsChecksum(std::vector<NamedTensorView> tensors);
+
+/// WeightsChecksum from per-tensor digests (the same definition, without touching the data).
+/// Throws WeightUpdateError on a duplicate name. Complexity: O(n log n).
+uint64_t WeightsChecksumFromDigests(std::vector<NamedTensorDigest> tensors);
 
 /// WeightsChecksum over every tensor of `weights` (a WeightMap is already in byte order of names).
 uint64_t WeightsChecksum(const WeightMap& weights);
@@ -158,12 +176,35 @@ class [[nodiscard]] UpdateStatus {
   std::string error_;
 };
 
+/// A borrowed run of fp32 values: `size()` floats at `data()`.
+class FloatSpan {
+ public:
+  FloatSpan() = default;
+  FloatSpan(const float* data, size_t size) : data_(data), size_(size) {}
+  const float* data() const { return data_; }
+  size_t size() const { return size_; }
+  float operator[](size_t i) const { return data_[i]; }
+  const float* begin() const { return data_; }
+  const float* end() const { return data_ + size_; }
+
+ private:
+  const float* data_ = nullptr;
+  size_t size_ = 0;
+};
+
 /// A verified tensor: the model parameter it replaces and its staged fp32 values
-/// (prod(param->shape) floats, row-major). Both pointers are owned by the WeightUpdateStaging and
-/// stay valid until its next Begin, Abort or Finish.
+/// (prod(param->shape) floats, row-major). Both pointers are owned by the WeightUpdateStaging
+/// (the values may lie in a buffer given to UseValueBuffers) and stay valid until its next
+/// Begin, Abort or Finish.
 struct VerifiedTensor {
   const ParamSpec* param = nullptr;
-  const std::vector<float>* values = nullptr;
+  const FloatSpan* values = nullptr;
+  /// TensorChecksum of the 4 * numel bytes of *values (the fp32 values, not the source bytes):
+  /// the tensor's digest in WeightsChecksumFromDigests. Computed while staging, never re-read.
+  uint64_t values_checksum = 0;
+  /// Index of the first NaN or infinite value, if any: the staging converts exactly and does not
+  /// judge values; the engine refuses such an update (found while staging, never re-read).
+  std::optional<uint64_t> first_nonfinite;
 };
 
 /// Stages and verifies one weight update at a time for a model with a fixed parameter list.
@@ -171,7 +212,9 @@ struct VerifiedTensor {
 /// Ownership: owns one fp32 buffer per parameter that an update has named (allocated on first
 /// use, then reused: a full update holds one fp32 copy of the model) plus one raw buffer per
 /// parameter ever sent as fp16/bf16 (2 bytes per element; fp32 sources are written straight into
-/// the fp32 buffer). Buffers are never released or shrunk while the object lives.
+/// the fp32 buffer). Buffers are never released or shrunk while the object lives. A parameter
+/// given a buffer by UseValueBuffers stages its fp32 values there instead (borrowed, not owned):
+/// this is how the engine swaps staged buffers into the model instead of copying them.
 ///
 /// Thread safety: not thread-safe. One owner thread (the engine thread, or a transport thread
 /// that hands the verified transaction to the engine thread by message) makes every call.
@@ -208,7 +251,12 @@ class WeightUpdateStaging {
   /// num_bytes), when it overlaps bytes already written, or after Verify. In kIdle or kPoisoned
   /// it is refused and changes nothing. An empty write inside the range is a no-op.
   /// `data` may be null only when num_bytes == 0 (else WeightUpdateError).
-  /// Cost: one memcpy plus O(log k + k) for k disjoint ranges already written to this tensor.
+  /// Hashing on arrival: the tensor's checksum is computed over its written prefix [0, p) as
+  /// that prefix grows. A write at byte p (chunks in order, what every client sends) is hashed
+  /// block by block as received (fp32 sources are also checked for NaN/inf there), each block
+  /// then copied while in cache, with non-temporal stores; bytes written ahead of the prefix are
+  /// hashed from the staged copy once the gap before them is filled. Cost: one XXH3 pass and one
+  /// streaming copy of the bytes, plus O(log k + k) for k disjoint ranges already written.
   UpdateStatus Write(const std::string& name, uint64_t offset, const void* data, size_t num_bytes);
 
   /// The commit check. kStaging -> kVerified when every manifest tensor was written completely
@@ -216,8 +264,11 @@ class WeightUpdateStaging {
   /// checksum; then fp16/bf16 sources are converted into the fp32 buffers. Otherwise ->
   /// kPoisoned, naming the first incomplete tensor (with its first missing byte range) or the
   /// first checksum mismatch. A second Verify in kVerified (a duplicate commit) also poisons; in
-  /// kIdle or kPoisoned it is refused and changes nothing.
-  /// Cost: one pass over the staged bytes (hash) plus one conversion pass.
+  /// kIdle or kPoisoned it is refused and changes nothing. Each VerifiedTensor carries the digest
+  /// of its fp32 values and its first non-finite element.
+  /// Cost: the checksums were computed as the bytes arrived (see Write), so for fp32 sources
+  /// this is O(tensors); fp16/bf16 sources take one conversion pass, hashing and checking the
+  /// fp32 values block by block as they are produced.
   UpdateStatus Verify();
 
   /// The verified tensors, in parameter order, for the apply step. Only in kVerified (else
@@ -226,6 +277,14 @@ class WeightUpdateStaging {
 
   /// Discards the transaction, whatever its state: any -> kIdle. Buffers are kept for reuse.
   void Abort();
+
+  /// Where each parameter's fp32 values are staged from the next Begin on: `buffers[i]` (parallel
+  /// to params(); prod(shape) floats, borrowed: it must stay valid and untouched by others until
+  /// the next UseValueBuffers or the staging's end) or, when null, the staging's own buffer. Call
+  /// in kIdle or kPoisoned, or in kVerified after the verified values were applied (before
+  /// Finish: verified() then points into the new buffers, which is fine since it is not read
+  /// again). Throws WeightUpdateError for a wrong count or in kStaging.
+  void UseValueBuffers(const std::vector<float*>& buffers);
 
   /// Closes a transaction whose verified() was applied: kVerified -> kIdle (else
   /// WeightUpdateError). Buffers are kept for reuse.
@@ -261,15 +320,33 @@ class WeightUpdateStaging {
     //   [0 ........ a)   [b ...... c)        [d ... num_bytes)
     //   written           written             written
     std::vector<std::pair<uint64_t, uint64_t>> written;
-    std::vector<float> values;  // fp32 staging buffer, numel floats once used
+    std::vector<float> values;  // fp32 staging buffer, numel floats once used (own buffer only)
+    float* external = nullptr;  // UseValueBuffers' buffer for this parameter, or null
+    FloatSpan span;             // the staged fp32 values: `external` or `values`
     std::vector<uint8_t> raw;   // raw 16-bit source bytes (fp16/bf16 sources only)
+    // Hashing on arrival: the source bytes [0, num_hashed_bytes) went into `hash` (a written
+    // prefix); fp32 elements [0, num_checked_elems) were checked for NaN/inf, the first bad one
+    // being first_nonfinite (kNoElement: none).
+    //   [0 ....... num_hashed_bytes)[ ... written or not ... num_bytes)
+    //   hashed, checked               hashed later (Write as the gap fills, or Verify)
+    std::shared_ptr<XXH3_state_s> hash;  // created on first use, reused
+    uint64_t num_hashed_bytes = 0;
+    uint64_t num_checked_elems = 0;
+    uint64_t first_nonfinite = 0;
+    uint64_t values_checksum = 0;  // TensorChecksum of the fp32 values, set by Verify
   };
+
+  /// Feeds the slot's source bytes [num_hashed_bytes, end) into its hash and checks the fp32
+  /// elements that became whole. `bytes` holds those bytes (the chunk as received); null: read
+  /// them from the staged copy (all written).
+  static void HashPrefix(Slot& slot, uint64_t end, const uint8_t* bytes = nullptr);
 
   UpdateStatus Poison(std::string cause);
   UpdateStatus CheckManifest(const UpdateManifest& manifest, PolicyVersion current_version);
   std::string UnknownNameMessage(const std::string& name) const;
   std::string Prefix() const;
-  uint8_t* SourceBytes(Slot& slot);
+  static uint8_t* SourceBytes(Slot& slot);
+  static float* Values(Slot& slot) { return slot.external != nullptr ? slot.external : slot.values.data(); }
 
   // Immutable after construction.
   std::vector<ParamSpec> params_;

@@ -68,7 +68,8 @@ Engine::Engine(const policy::Checkpoint& checkpoint, const EngineConfig& config)
   const int num_blocks = static_cast<int>(std::min<int64_t>(num_blocks64, 1 << 30));
   runner_ = std::make_unique<ModelRunner>(
       checkpoint, ModelRunnerConfig{num_blocks, config_.block_size, config_.check_block_versions,
-                                    config_.batch_invariant});
+                                    config_.batch_invariant, config_.swap_weight_buffers});
+  spare_buffers_ = runner_->StagingBuffers();
   cache::KvCacheConfig kv_config;
   kv_config.num_blocks = num_blocks;
   kv_config.block_size = config_.block_size;
@@ -340,6 +341,13 @@ void Engine::ApplyUpdate(PendingUpdate& u, UpdateResult ack) {
   } else {
     // One critical section on the engine thread: weights, version and prefix cache move together.
     runner_->ApplyWeights(u.staging->verified());
+    {
+      // A bound staging staged into the spares, which the swap just made the model's weights: it
+      // stages the next update into the new spares (the old weights' memory).
+      std::lock_guard<std::mutex> lock(staging_mu_);
+      spare_buffers_ = runner_->StagingBuffers();
+      if (bound_staging_.lock().get() == u.staging) u.staging->UseValueBuffers(spare_buffers_);
+    }
     version_.store(new_version);
     kv_->Invalidate(new_version);
     ack.weights_checksum = runner_->WeightsChecksum();
@@ -361,20 +369,29 @@ void Engine::ApplyUpdate(PendingUpdate& u, UpdateResult ack) {
   if (u.on_done) u.on_done(std::move(ack));
 }
 
+std::shared_ptr<policy::WeightUpdateStaging> Engine::MakeStaging() {
+  auto staging = std::make_shared<policy::WeightUpdateStaging>(param_specs_);
+  std::lock_guard<std::mutex> lock(staging_mu_);
+  if (bound_staging_.expired()) {  // no other staging writes into the spares
+    staging->UseValueBuffers(spare_buffers_);
+    bound_staging_ = staging;
+  }
+  return staging;
+}
+
 SubmitStatus Engine::SubmitUpdate(policy::WeightUpdateStaging* staging, InFlightMode mode,
                                   std::function<void(UpdateResult)> on_done) {
   if (staging == nullptr || staging->state() != policy::WeightUpdateStaging::State::kVerified) {
     return {SubmitStatus::Code::kInvalid, "weight update is not verified (commit staging first)"};
   }
   // A NaN or infinite weight would turn every logit into NaN: refuse it here, on the caller's
-  // thread (outside the engine's stall), naming the tensor and the element.
+  // thread (outside the engine's stall), naming the tensor and the element. The staging found
+  // them while the bytes arrived, so this reads no weights.
   for (const policy::VerifiedTensor& t : staging->verified()) {
-    const std::vector<float>& v = *t.values;
-    for (size_t i = 0; i < v.size(); ++i) {
-      if (!std::isfinite(v[i])) {
-        return {SubmitStatus::Code::kInvalid,
-                fmt::format("tensor {}: element {} is {} (weights must be finite)", t.param->name, i, v[i])};
-      }
+    if (t.first_nonfinite) {
+      const uint64_t i = *t.first_nonfinite;
+      return {SubmitStatus::Code::kInvalid,
+              fmt::format("tensor {}: element {} is {} (weights must be finite)", t.param->name, i, (*t.values)[i])};
     }
   }
   {
@@ -390,7 +407,7 @@ SubmitStatus Engine::SubmitUpdate(policy::WeightUpdateStaging* staging, InFlight
 UpdateResult Engine::UpdateWeights(const policy::WeightMap& weights, PolicyVersion version, InFlightMode mode,
                                    bool partial) {
   std::lock_guard<std::mutex> one_at_a_time(sync_update_mu_);
-  if (!sync_staging_) sync_staging_ = std::make_unique<policy::WeightUpdateStaging>(param_specs_);
+  if (!sync_staging_) sync_staging_ = MakeStaging();
   policy::WeightUpdateStaging& staging = *sync_staging_;
   auto refuse = [&](const std::string& error) {
     staging.Abort();

@@ -42,6 +42,10 @@ struct EngineConfig {
   /// at least 32 rows. Off, single-sequence steps of large-vocabulary models are faster, and a
   /// sample's logits may differ in the last bits depending on what else is in the step.
   bool batch_invariant = true;
+  /// Weight updates staged by the engine's bound staging (MakeStaging) are swapped into the
+  /// model instead of copied (ModelRunnerConfig::swap_weight_buffers): the stall drops to
+  /// microseconds, for one spare copy of the weights allocated at construction.
+  bool swap_weight_buffers = true;
 
   /// Throws policy::ConfigError naming the field.
   void Validate() const;
@@ -144,13 +148,21 @@ class Engine {
   /// The model's parameters (canonical names, shapes), for a WeightUpdateStaging. Immutable.
   const std::vector<policy::ParamSpec>& param_specs() const { return param_specs_; }
 
+  /// A staging for this engine's parameters. The first one made (again once it is destroyed) is
+  /// bound to the model's spare buffers (ModelRunner::StagingBuffers): it stages fp32 values in
+  /// place and its updates are swapped into the model rather than copied; the engine re-points
+  /// it to the new spares as it applies (while the staging is handed over). Others stage into
+  /// their own buffers and are applied by copy. Any thread.
+  std::shared_ptr<policy::WeightUpdateStaging> MakeStaging();
+
   /// Hands a verified transaction to the engine thread, which at its next safe point (after
   /// dealing with in-flight sequences per `mode`) copies the weights into the model, bumps the
   /// version and invalidates the prefix cache in one critical section, then calls `on_done` (on
   /// the engine thread) with the acknowledgement. `staging` must be verified and left untouched
   /// until `on_done` runs; the engine calls staging->Finish() before it. Refused (returned, and
   /// `on_done` not called): kInvalid when the staging is not verified or holds a NaN/infinite
-  /// weight (the error names the tensor and element), kOverloaded when another update is pending.
+  /// weight (the error names the tensor and element; VerifiedTensor::first_nonfinite, so this
+  /// reads no weights), kOverloaded when another update is pending.
   /// Queued requests holding no KV never delay an update. While paused, a drain update restarts
   /// the running sequences (they cannot finish without running).
   SubmitStatus SubmitUpdate(policy::WeightUpdateStaging* staging, InFlightMode mode,
@@ -208,7 +220,10 @@ class Engine {
   EngineStats counters_;
   std::optional<PendingUpdate> update_;          // taken from update_inbox_ at a safe point
   std::mutex sync_update_mu_;  // one UpdateWeights at a time; guards sync_staging_
-  std::unique_ptr<policy::WeightUpdateStaging> sync_staging_;  // UpdateWeights' buffers, reused
+  std::shared_ptr<policy::WeightUpdateStaging> sync_staging_;  // UpdateWeights' buffers, reused
+  std::mutex staging_mu_;  // guards bound_staging_ and spare_buffers_
+  std::weak_ptr<policy::WeightUpdateStaging> bound_staging_;  // MakeStaging's bound one
+  std::vector<float*> spare_buffers_;  // runner_->StagingBuffers(), refreshed after each apply
 
   std::atomic<PolicyVersion> version_{0};
 

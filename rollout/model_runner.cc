@@ -1,5 +1,7 @@
 #include "rollout/model_runner.h"
 
+#include <algorithm>
+#include <cstring>
 #include <unordered_map>
 
 #include <ATen/ATen.h>
@@ -7,6 +9,7 @@
 #include <c10/core/InferenceMode.h>
 
 #include "cache/paged_kv_cache.h"
+#include "policy/check.h"
 #include "policy/llama_model.h"
 #include "rollout/sampler_kernels.h"
 
@@ -33,10 +36,93 @@ struct ModelRunner::Impl {
   std::vector<double> block_sums;   // [rows, ceil(vocab / kBlock)]
   std::vector<DistributionRow> rows;
   policy::ForwardBatch batch;  // reused between steps
+  // The weights checksum's per-parameter digests (policy::WeightsChecksumFromDigests), parallel
+  // to NamedParameters(): hashed from the model at construction, then replaced by ApplyWeights
+  // with the applied values' digests (the only place the weights change).
+  std::vector<std::string> param_names;
+  std::vector<uint64_t> param_numel;
+  std::vector<uint64_t> param_digests;
+  std::unordered_map<std::string, size_t> param_index;
+
+  // Buffer swapping. A swap group is one storage of the model whose bytes the parameters' views
+  // tile exactly (host fp32, contiguous; e.g. a fused q/k/v matrix and its three row ranges):
+  //   model storage  [ q_proj rows ........ | k_proj rows .... | v_proj rows .... )
+  //   spare storage  [ same layout, where a bound staging stages the next values   )
+  // When an update's values for every parameter of the group lie in the spare, ApplyWeights
+  // swaps the two storages' memory (their DataPtrs) instead of copying: every tensor of the
+  // model that shares the storage sees the new values, and the old memory becomes the spare.
+  struct SwapGroup {
+    c10::Storage model;           // the model's storage
+    at::Tensor spare;             // [nbytes / 4] fp32; its storage is swapped with `model`
+    std::vector<size_t> params;   // parameter indices in this storage
+  };
+  std::vector<SwapGroup> groups;
+  std::vector<int> param_group;              // parallel to params; -1: applied by copy
+  std::vector<size_t> param_offset_floats;   // offset of the parameter's view in its storage
+  int64_t num_swapped_groups = 0;            // by the last ApplyWeights, for tests and logs
+
+  /// Where parameter `i` stages in its group's spare, or null.
+  float* SparePointer(size_t i) const {
+    const int g = param_group[i];
+    return g < 0 ? nullptr : groups[g].spare.data_ptr<float>() + param_offset_floats[i];
+  }
 };
 
+namespace {
+
+/// TensorChecksum of a parameter's fp32 values, row-major, wherever the tensor lives.
+uint64_t ParamDigest(const at::Tensor& param) {
+  const at::Tensor host = param.to(at::kCPU).contiguous();
+  return policy::TensorChecksum(host.data_ptr<float>(), static_cast<size_t>(host.numel()) * sizeof(float));
+}
+
+}  // namespace
+
 ModelRunner::ModelRunner(const policy::Checkpoint& checkpoint, const ModelRunnerConfig& config)
-    : impl_(std::make_unique<Impl>(checkpoint, config)) {}
+    : impl_(std::make_unique<Impl>(checkpoint, config)) {
+  c10::InferenceMode guard;
+  Impl& m = *impl_;
+  const auto params = m.model.NamedParameters();
+  for (const auto& [name, tensor] : params) {
+    m.param_index.emplace(name, m.param_names.size());
+    m.param_names.push_back(name);
+    m.param_numel.push_back(static_cast<uint64_t>(tensor.numel()));
+    m.param_digests.push_back(ParamDigest(tensor));
+  }
+  // Swap groups: storages that host fp32 contiguous parameter views tile exactly, nothing else.
+  m.param_group.assign(params.size(), -1);
+  m.param_offset_floats.assign(params.size(), 0);
+  if (!config.swap_weight_buffers) return;
+  std::unordered_map<const c10::StorageImpl*, size_t> group_of;
+  std::vector<bool> usable;
+  for (size_t i = 0; i < params.size(); ++i) {
+    const at::Tensor& t = params[i].second;
+    const c10::StorageImpl* storage = t.storage().unsafeGetStorageImpl();
+    const auto [it, added] = group_of.emplace(storage, m.groups.size());
+    if (added) {
+      m.groups.push_back({t.storage(), at::Tensor(), {}});
+      usable.push_back(true);
+    }
+    m.groups[it->second].params.push_back(i);
+    m.param_offset_floats[i] = static_cast<size_t>(t.storage_offset());
+    if (!(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous())) usable[it->second] = false;
+  }
+  for (size_t g = 0; g < m.groups.size(); ++g) {
+    Impl::SwapGroup& group = m.groups[g];
+    std::vector<size_t> by_offset = group.params;
+    std::sort(by_offset.begin(), by_offset.end(),
+              [&](size_t a, size_t b) { return m.param_offset_floats[a] < m.param_offset_floats[b]; });
+    uint64_t end = 0;  // the views must be [0, a) [a, b) ... [y, nbytes / 4): no gap, no overlap
+    for (size_t i : by_offset) {
+      if (m.param_offset_floats[i] != end) usable[g] = false;
+      end = m.param_offset_floats[i] + m.param_numel[i];
+    }
+    if (end * sizeof(float) != group.model.nbytes()) usable[g] = false;
+    if (!usable[g]) continue;
+    group.spare = at::zeros({static_cast<int64_t>(end)}, at::kFloat);  // faulted in now, not at the first update
+    for (size_t i : group.params) m.param_group[i] = static_cast<int>(g);
+  }
+}
 
 ModelRunner::~ModelRunner() = default;
 
@@ -51,22 +137,84 @@ std::vector<policy::ParamSpec> ModelRunner::ParamSpecs() const {
 void ModelRunner::ApplyWeights(const std::vector<policy::VerifiedTensor>& tensors) {
   c10::InferenceMode guard;
   const auto params = impl_->model.NamedParameters();
-  std::unordered_map<std::string, at::Tensor> by_name(params.begin(), params.end());
+  // Host fp32 destinations that are one contiguous range (every parameter of a CPU model: the
+  // fused q/k/v and gate/up views are row ranges) are copied as pieces of at most kPieceBytes by
+  // all intra-op threads; anything else goes through Tensor::copy_.
+  //   tensor t: [0 ... kPieceBytes)[kPieceBytes ... 2 kPieceBytes) ... [.. 4 * numel)
+  constexpr size_t kPieceBytes = size_t{1} << 20;
+  struct Piece {
+    char* dst;
+    const char* src;
+    size_t num_bytes;
+  };
+  Impl& m = *impl_;
+  // Groups whose every parameter was staged in place in the spare are swapped, not copied.
+  std::vector<size_t> num_in_spare(m.groups.size(), 0);
   for (const policy::VerifiedTensor& t : tensors) {
-    at::Tensor dst = by_name.at(t.param->name);
-    dst.copy_(at::from_blob(const_cast<float*>(t.values->data()), dst.sizes(), at::kFloat));
+    const size_t index = m.param_index.at(t.param->name);
+    if (m.param_group[index] >= 0 && t.values->data() == m.SparePointer(index)) ++num_in_spare[m.param_group[index]];
+  }
+  std::vector<Piece> pieces;
+  for (const policy::VerifiedTensor& t : tensors) {
+    const size_t index = m.param_index.at(t.param->name);
+    at::Tensor dst = params[index].second;
+    VROLL_CHECK(static_cast<uint64_t>(dst.numel()) == t.values->size(), "tensor {}: {} values for {} elements",
+                t.param->name, t.values->size(), dst.numel());
+    m.param_digests[index] = t.values_checksum;
+    const int g = m.param_group[index];
+    if (g >= 0 && num_in_spare[g] == m.groups[g].params.size()) continue;  // swapped below
+    if (dst.device().is_cpu() && dst.scalar_type() == at::kFloat && dst.is_contiguous()) {
+      char* d = static_cast<char*>(dst.data_ptr());
+      const char* s = reinterpret_cast<const char*>(t.values->data());
+      const size_t num_bytes = t.values->size() * sizeof(float);
+      for (size_t offset = 0; offset < num_bytes; offset += kPieceBytes) {
+        pieces.push_back({d + offset, s + offset, std::min(kPieceBytes, num_bytes - offset)});
+      }
+    } else {
+      dst.copy_(at::from_blob(const_cast<float*>(t.values->data()), dst.sizes(), at::kFloat));
+    }
+  }
+  at::parallel_for(0, static_cast<int64_t>(pieces.size()), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) std::memcpy(pieces[i].dst, pieces[i].src, pieces[i].num_bytes);
+  });
+  m.num_swapped_groups = 0;
+  for (size_t g = 0; g < m.groups.size(); ++g) {
+    if (num_in_spare[g] != m.groups[g].params.size() || m.groups[g].params.empty()) continue;
+    c10::StorageImpl* model = m.groups[g].model.unsafeGetStorageImpl();
+    c10::StorageImpl* spare = m.groups[g].spare.storage().unsafeGetStorageImpl();
+    VROLL_CHECK(model->nbytes() == spare->nbytes(), "swap group {}: {} vs {} bytes", g, model->nbytes(), spare->nbytes());
+    at::DataPtr old_model = model->set_data_ptr(spare->set_data_ptr(at::DataPtr(nullptr, spare->device())));
+    spare->set_data_ptr_noswap(std::move(old_model));
+    ++m.num_swapped_groups;
   }
   impl_->model.RepackWeights();  // the CPU kernels read packed copies
 }
 
+std::vector<float*> ModelRunner::StagingBuffers() const {
+  std::vector<float*> buffers(impl_->param_names.size());
+  for (size_t i = 0; i < buffers.size(); ++i) buffers[i] = impl_->SparePointer(i);
+  return buffers;
+}
+
+int64_t ModelRunner::num_swapped_groups() const { return impl_->num_swapped_groups; }
+
 uint64_t ModelRunner::WeightsChecksum() const {
+  std::vector<policy::NamedTensorDigest> digests;
+  digests.reserve(impl_->param_names.size());
+  for (size_t i = 0; i < impl_->param_names.size(); ++i) {
+    digests.push_back({impl_->param_names[i], impl_->param_numel[i], impl_->param_digests[i]});
+  }
+  return policy::WeightsChecksumFromDigests(std::move(digests));
+}
+
+uint64_t ModelRunner::RecomputeWeightsChecksum() const {
   c10::InferenceMode guard;
-  const auto params = impl_->model.NamedParameters();
-  std::vector<at::Tensor> contiguous;  // views (fused q/k/v rows) are contiguous row ranges already
+  const auto params = impl_->model.NamedParameters();  // owns the names the views borrow
+  std::vector<at::Tensor> host;                         // keeps the hashed memory alive
   std::vector<policy::NamedTensorView> views;
   for (const auto& [name, tensor] : params) {
-    contiguous.push_back(tensor.contiguous());
-    views.push_back({name, contiguous.back().data_ptr<float>(), static_cast<size_t>(tensor.numel())});
+    host.push_back(tensor.to(at::kCPU).contiguous());
+    views.push_back({name, host.back().data_ptr<float>(), static_cast<size_t>(tensor.numel())});
   }
   return policy::WeightsChecksum(std::move(views));
 }

@@ -23,6 +23,11 @@ struct ModelRunnerConfig {
   bool check_block_versions = false;
   /// See policy::ModelOptions::batch_invariant.
   bool batch_invariant = true;
+  /// Keep a spare copy of every host fp32 weight storage that the parameters tile exactly, for a
+  /// staging to stage into (StagingBuffers) so that ApplyWeights swaps buffers instead of copying.
+  /// Costs one copy of those weights, allocated at construction (what a staging would allocate
+  /// at the first update anyway).
+  bool swap_weight_buffers = true;
 };
 
 /// Not thread-safe: the engine thread owns it.
@@ -49,12 +54,32 @@ class ModelRunner {
   /// The model's parameters (canonical names and shapes), in NamedParameters order.
   std::vector<policy::ParamSpec> ParamSpecs() const;
 
-  /// Copies verified fp32 values into the model's parameters (the swap of a weight update).
-  /// Tied heads share storage with the embedding, so they change with it.
+  /// Installs verified fp32 values as the model's parameters and records each tensor's
+  /// values_checksum as its digest for WeightsChecksum. Where the values of every parameter of a
+  /// model storage lie in place in StagingBuffers(), the storage's memory is swapped with the
+  /// spare (O(1): no copy; the old weights' memory becomes the spare, so StagingBuffers()
+  /// changes); other values are copied in pieces spread over the intra-op threads (memory
+  /// bandwidth bound). Tied heads share storage with the embedding, so they change with it.
+  /// Engine thread, between steps (nothing may be reading the weights).
   void ApplyWeights(const std::vector<policy::VerifiedTensor>& tensors);
 
-  /// policy::WeightsChecksum over every parameter now in use.
+  /// Per parameter (NamedParameters order), where a staging should stage its fp32 values so that
+  /// ApplyWeights can swap them in (policy::WeightUpdateStaging::UseValueBuffers), or null where
+  /// the parameter is applied by copy. Valid until the next ApplyWeights.
+  std::vector<float*> StagingBuffers() const;
+
+  /// Storages swapped (rather than copied) by the last ApplyWeights.
+  int64_t num_swapped_groups() const;
+
+  /// policy::WeightsChecksum over every parameter now in use, assembled from per-parameter
+  /// digests (hashed from the model at construction, then taken from each applied update's
+  /// verified values) without reading the weights: O(parameters).
   uint64_t WeightsChecksum() const;
+
+  /// The same checksum recomputed by hashing the model's parameters as they are in memory:
+  /// O(weight bytes). For tests and checks; equals WeightsChecksum() unless the weights were
+  /// changed other than through ApplyWeights.
+  uint64_t RecomputeWeightsChecksum() const;
 
   /// Bytes of KV storage per block (all layers, K and V).
   int64_t bytes_per_block() const;

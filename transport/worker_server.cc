@@ -214,7 +214,7 @@ struct WorkerServer::Impl {
   void Start() {
     config.Validate();
     for (const policy::ParamSpec& p : engine.param_specs()) param_shapes[p.name] = p.shape;
-    staging = std::make_shared<policy::WeightUpdateStaging>(engine.param_specs());
+    staging = engine.MakeStaging();  // bound to the model's spare buffers: applied by a swap
     outbox = std::make_shared<Outbox>();
     if (config.curve.enabled()) StartZap();
     router = zmq::socket_t(context, zmq::socket_type::router);

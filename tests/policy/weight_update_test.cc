@@ -8,6 +8,7 @@
 #include <cstring>
 #include <limits>
 #include <map>
+#include <optional>
 #include <random>
 #include <string>
 #include <utility>
@@ -144,8 +145,8 @@ std::vector<uint8_t> SpecifiedStream(const std::map<std::string, std::vector<flo
     stream.insert(stream.end(), name.begin(), name.end());
     const auto data_len = U64Le(values.size() * 4);
     stream.insert(stream.end(), data_len.begin(), data_len.end());
-    const auto* data = reinterpret_cast<const uint8_t*>(values.data());
-    stream.insert(stream.end(), data, data + values.size() * 4);
+    const auto digest = U64Le(TensorChecksum(values.data(), values.size() * 4));
+    stream.insert(stream.end(), digest.begin(), digest.end());
   }
   return stream;
 }
@@ -182,15 +183,28 @@ TEST(WeightUpdateChecksumTest, WeightsChecksumHashesTheSpecifiedStreamInNameOrde
   for (const auto& [name, values] : tensors) map[name] = HostTensor{{static_cast<int64_t>(values.size())}, values};
   EXPECT_EQ(WeightsChecksum(map), expected);
 
+  // From digests (what the worker assembles without reading weights): the same value.
+  std::vector<NamedTensorDigest> digests;
+  for (const auto& [name, values] : tensors) {
+    digests.push_back({name, values.size(), TensorChecksum(values.data(), values.size() * 4)});
+  }
+  std::reverse(digests.begin(), digests.end());
+  EXPECT_EQ(WeightsChecksumFromDigests(digests), expected);
+  digests.push_back(digests.front());
+  EXPECT_THROW((void)WeightsChecksumFromDigests(digests), WeightUpdateError);
+
   // The worked example of weight_update.h, pinned: its stream was also built with Python's
-  // struct.pack and hashed with XXH3_64bits in one shot, giving the same value.
+  // struct.pack and xxhash.xxh3_64_intdigest, giving the same value.
   WeightMap tiny;
   tiny["b"] = HostTensor{{1}, {-0.5f}};
   tiny["a"] = HostTensor{{2}, {1.0f, 2.0f}};
   const std::vector<uint8_t> tiny_stream = SpecifiedStream({{"a", {1.0f, 2.0f}}, {"b", {-0.5f}}});
-  EXPECT_EQ(tiny_stream.size(), 46u);
-  EXPECT_EQ(TensorChecksum(tiny_stream.data(), tiny_stream.size()), 0xdb40b7aa04e0f55dull);
-  EXPECT_EQ(WeightsChecksum(tiny), 0xdb40b7aa04e0f55dull);
+  EXPECT_EQ(tiny_stream.size(), 50u);
+  const float a[] = {1.0f, 2.0f}, b[] = {-0.5f};
+  EXPECT_EQ(TensorChecksum(a, sizeof(a)), 0x4de8d78f7134f4b7ull);
+  EXPECT_EQ(TensorChecksum(b, sizeof(b)), 0x7d99fbe36c125803ull);
+  EXPECT_EQ(TensorChecksum(tiny_stream.data(), tiny_stream.size()), 0xcac5fea618160d40ull);
+  EXPECT_EQ(WeightsChecksum(tiny), 0xcac5fea618160d40ull);
 }
 
 TEST(WeightUpdateChecksumTest, LengthPrefixesSeparateNameFromDataAndOneBitChangesTheValue) {
@@ -334,7 +348,7 @@ void ExpectVerifiedEquals(const WeightUpdateStaging& staging, const std::vector<
     previous_index = index;
     ASSERT_EQ(by_name.count(param->name), 1u) << param->name;
     const SourceTensor& source = *by_name[param->name];
-    const std::vector<float>& values = *verified[i].values;
+    const FloatSpan& values = *verified[i].values;
     ASSERT_EQ(values.size(), source.expected.size()) << param->name;
     for (size_t j = 0; j < values.size(); ++j) {
       ASSERT_TRUE(SameFloat(values[j], source.expected[j]))
@@ -408,6 +422,22 @@ TEST_F(WeightUpdateStagingTest, RandomDTypesAndChunkOrdersStageTheExactFp32Value
     for (const SourceTensor& s : sources) oracle[s.name] = HostTensor{s.shape, s.expected};
     for (const VerifiedTensor& t : staging_.verified()) views.push_back({t.param->name, t.values->data(), t.values->size()});
     EXPECT_EQ(WeightsChecksum(views), WeightsChecksum(oracle));
+
+    // Each tensor's digest and first non-finite element, found while staging, against the
+    // oracle's values (random bits: NaNs and infinities occur).
+    std::map<std::string, const SourceTensor*> by_name;
+    for (const SourceTensor& s : sources) by_name[s.name] = &s;
+    std::vector<NamedTensorDigest> digests;
+    for (const VerifiedTensor& t : staging_.verified()) {
+      const std::vector<float>& expected = by_name.at(t.param->name)->expected;
+      EXPECT_EQ(t.values_checksum, TensorChecksum(expected.data(), expected.size() * sizeof(float))) << t.param->name;
+      const auto bad = std::find_if(expected.begin(), expected.end(), [](float v) { return !std::isfinite(v); });
+      const std::optional<uint64_t> first_bad =
+          bad == expected.end() ? std::nullopt : std::optional<uint64_t>(bad - expected.begin());
+      EXPECT_EQ(t.first_nonfinite, first_bad) << t.param->name << " (" << DTypeName(by_name.at(t.param->name)->dtype) << ")";
+      digests.push_back({t.param->name, t.values->size(), t.values_checksum});
+    }
+    EXPECT_EQ(WeightsChecksumFromDigests(digests), WeightsChecksum(oracle));
 
     staging_.Finish();
     EXPECT_EQ(staging_.state(), State::kIdle);
@@ -565,6 +595,101 @@ TEST_F(WeightUpdateStagingTest, SingleFlippedBitIsAChecksumMismatchNamingTheTens
     ExpectPoisonedThenRecovers(status);
   }
 }
+
+/// Tensors large enough that chunks span several of the staging's hash blocks (128 KiB), sent as
+/// clients send them (in order), in reverse and shuffled, with chunk sizes that split elements.
+class WeightUpdateHashOnArrivalTest : public ::testing::TestWithParam<int> {
+ protected:
+  enum Order { kInOrder = 0, kReversed = 1, kShuffled = 2 };
+
+  static std::vector<ParamSpec> Params() {
+    return {{"model.embed_tokens.weight", {301, 1001}}, {kNorm, {1001}}, {kDown, {257, 499}}};
+  }
+
+  /// Chunks of `chunk_bytes` (the last shorter), tensor by tensor, in this test's order.
+  std::vector<Chunk> Chunks(const std::vector<SourceTensor>& sources, size_t chunk_bytes) {
+    std::vector<Chunk> chunks;
+    for (const SourceTensor& s : sources) {
+      for (uint64_t offset = 0; offset < s.bytes.size(); offset += chunk_bytes) {
+        chunks.push_back({&s, offset, std::min<size_t>(chunk_bytes, s.bytes.size() - offset)});
+      }
+    }
+    if (GetParam() == kReversed) std::reverse(chunks.begin(), chunks.end());
+    if (GetParam() == kShuffled) std::shuffle(chunks.begin(), chunks.end(), rng_);
+    return chunks;
+  }
+
+  std::mt19937_64 rng_{77};
+  WeightUpdateStaging staging_{Params()};
+};
+
+TEST_P(WeightUpdateHashOnArrivalTest, ACorruptedChunkIsCaughtAndAGoodUpdateVerifies) {
+  const size_t chunk_sizes[] = {size_t{1} << 20, 100003, 4096 + 2};
+  for (int trial = 0; trial < 6; ++trial) {
+    std::vector<SourceTensor> sources = RandomSources(staging_.params(), rng_);
+    const size_t chunk_bytes = chunk_sizes[trial % 3];
+    const UpdateManifest manifest = ManifestFor(10 + trial, sources);  // checksums of the true bytes
+    ASSERT_TRUE(staging_.Begin(manifest, 9 + trial).ok());
+    ASSERT_NO_FATAL_FAILURE(WriteAll(staging_, Chunks(sources, chunk_bytes)));
+    const UpdateStatus good = staging_.Verify();
+    ASSERT_TRUE(good.ok()) << good.error();
+    ASSERT_NO_FATAL_FAILURE(ExpectVerifiedEquals(staging_, sources));
+    for (const VerifiedTensor& t : staging_.verified()) {
+      EXPECT_EQ(t.values_checksum, TensorChecksum(t.values->data(), t.values->size() * sizeof(float)));
+    }
+    staging_.Finish();
+
+    // One byte of one chunk corrupted on the way (the manifest has the true checksums).
+    SourceTensor& victim = sources[std::uniform_int_distribution<size_t>(0, sources.size() - 1)(rng_)];
+    const size_t byte = std::uniform_int_distribution<size_t>(0, victim.bytes.size() - 1)(rng_);
+    victim.bytes[byte] ^= 0x10;
+    UpdateManifest next = manifest;
+    next.version = 20 + trial;
+    ASSERT_TRUE(staging_.Begin(next, 19 + trial).ok());
+    ASSERT_NO_FATAL_FAILURE(WriteAll(staging_, Chunks(sources, chunk_bytes)));
+    const UpdateStatus bad = staging_.Verify();
+    ASSERT_FALSE(bad.ok()) << "byte " << byte << " of " << victim.name;
+    EXPECT_THAT(bad.error(), AllOf(HasSubstr("tensor " + victim.name + ":"), HasSubstr("checksum mismatch")));
+    EXPECT_EQ(staging_.state(), State::kPoisoned);
+    EXPECT_THROW((void)staging_.verified(), WeightUpdateError);
+    staging_.Abort();
+  }
+}
+
+TEST_P(WeightUpdateHashOnArrivalTest, FirstNonFiniteElementIsFoundAcrossChunkAndBlockBoundaries) {
+  // Element 32768 starts the second 128 KiB hash block; a 100003-byte chunk ends inside element
+  // 25000 (bytes [100000, 100004)).
+  for (const uint64_t element : {uint64_t{0}, uint64_t{25000}, uint64_t{32767}, uint64_t{32768}, uint64_t{301 * 1001 - 1}}) {
+    for (const uint32_t bits : {0x7fc00000u, 0xff800000u, 0x7f800001u}) {  // NaN, -inf, signalling NaN
+      std::vector<SourceTensor> sources;
+      for (const ParamSpec& param : staging_.params()) sources.push_back(RandomSource(param, DType::kF32, rng_));
+      for (SourceTensor& s : sources) {  // finite everywhere first
+        for (size_t i = 0; i < s.expected.size(); ++i) {
+          if (std::isfinite(s.expected[i])) continue;
+          s.expected[i] = 1.0f;
+          std::memcpy(s.bytes.data() + 4 * i, &s.expected[i], 4);
+        }
+      }
+      SourceTensor& embed = sources[0];
+      std::memcpy(embed.bytes.data() + 4 * element, &bits, 4);
+      std::memcpy(&embed.expected[element], &bits, 4);
+      ASSERT_TRUE(staging_.Begin(ManifestFor(5, sources), 4).ok());
+      ASSERT_NO_FATAL_FAILURE(WriteAll(staging_, Chunks(sources, 100003)));
+      const UpdateStatus status = staging_.Verify();
+      ASSERT_TRUE(status.ok()) << status.error();  // the staging stages NaNs exactly; the engine refuses them
+      for (const VerifiedTensor& t : staging_.verified()) {
+        EXPECT_EQ(t.first_nonfinite, t.param->name == embed.name ? std::optional<uint64_t>(element) : std::nullopt)
+            << t.param->name << " element " << element << " bits " << bits;
+      }
+      staging_.Finish();
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Orders, WeightUpdateHashOnArrivalTest, ::testing::Values(0, 1, 2),
+                         [](const ::testing::TestParamInfo<int>& info) {
+                           return std::string(info.param == 0 ? "InOrder" : info.param == 1 ? "Reversed" : "Shuffled");
+                         });
 
 TEST_F(WeightUpdateStagingTest, IncompleteTensorPoisonsAtVerifyNamingTheMissingBytes) {
   const std::vector<SourceTensor> sources = RandomSources(staging_.params(), rng_);

@@ -26,12 +26,12 @@ def expected_tokens(prompt: List[int], index: int, max_new_tokens: int, vocab_si
 
 def reference_weights_checksum(weights: Dict[str, np.ndarray]) -> int:
     """WeightsChecksum over fp32 arrays, written from policy/weight_update.h independently of
-    vroll_client.weights (one shot over the concatenated stream)."""
+    vroll_client.weights (one shot over the concatenated stream of per-tensor digests)."""
     stream = bytearray()
     for name in sorted(weights, key=lambda s: s.encode()):
         data = np.ascontiguousarray(weights[name], dtype="<f4").tobytes()
         stream += struct.pack("<Q", len(name.encode())) + name.encode()
-        stream += struct.pack("<Q", len(data)) + data
+        stream += struct.pack("<Q", len(data)) + struct.pack("<Q", xxhash.xxh3_64_intdigest(data))
     return xxhash.xxh3_64_intdigest(bytes(stream))
 
 

@@ -7,6 +7,7 @@ import torch
 import xxhash
 
 from vroll_client import chunk_ranges, tensor_checksum, to_wire, weights_checksum
+from vroll_client.weights import wire_weights_checksum
 from fake_worker import reference_weights_checksum
 
 
@@ -14,13 +15,25 @@ class WeightsChecksumTest(unittest.TestCase):
     def test_worked_example_of_weight_update_h(self):
         # policy/weight_update.h WeightsChecksum: {"a": [1.0, 2.0], "b": [-0.5]}.
         tensors = {"b": np.array([-0.5], np.float32), "a": np.array([1.0, 2.0], np.float32)}
-        self.assertEqual(weights_checksum(tensors), 0xDB40B7AA04E0F55D)
+        self.assertEqual(weights_checksum(tensors), 0xCAC5FEA618160D40)
 
     def test_worked_example_stream_bytes(self):
-        stream = bytes.fromhex("0100000000000000" "61" "0800000000000000" "0000803f00000040"
-                               "0100000000000000" "62" "0400000000000000" "000000bf")
-        self.assertEqual(len(stream), 46)
-        self.assertEqual(xxhash.xxh3_64_intdigest(stream), 0xDB40B7AA04E0F55D)
+        self.assertEqual(xxhash.xxh3_64_intdigest(bytes.fromhex("0000803f00000040")), 0x4DE8D78F7134F4B7)
+        self.assertEqual(xxhash.xxh3_64_intdigest(bytes.fromhex("000000bf")), 0x7D99FBE36C125803)
+        stream = bytes.fromhex("0100000000000000" "61" "0800000000000000" "b7f434718fd7e84d"
+                               "0100000000000000" "62" "0400000000000000" "0358126ce3fb997d")
+        self.assertEqual(len(stream), 50)
+        self.assertEqual(xxhash.xxh3_64_intdigest(stream), 0xCAC5FEA618160D40)
+
+    def test_wire_checksum_reuses_fp32_manifest_checksums(self):
+        tensors = {"a": np.array([1.0, 2.0], np.float32),
+                   "h": torch.tensor([0.5, -3.0], dtype=torch.float16),
+                   "g": torch.tensor([1.0 / 3.0], dtype=torch.bfloat16)}
+        wire = [to_wire(name, value) for name, value in tensors.items()]
+        self.assertEqual(wire_weights_checksum(wire, tensors), weights_checksum(tensors))
+        self.assertEqual(wire_weights_checksum(wire, tensors),
+                         reference_weights_checksum({n: (v.float().numpy() if isinstance(v, torch.Tensor) else v)
+                                                     for n, v in tensors.items()}))
 
     def test_empty_set_hashes_to_xxh3_of_nothing(self):
         self.assertEqual(weights_checksum({}), 0x2D06800538D394C2)

@@ -28,7 +28,7 @@ import zmq
 from . import protocol
 from .types import (CompletionOutput, RequestOutput, SamplingParams, UpdateAck, VrollError,
                     VrollTimeoutError, WeightUpdateError, WorkerError)
-from .weights import DEFAULT_CHUNK_BYTES, WireTensor, chunk_ranges, to_wire, weights_checksum
+from .weights import DEFAULT_CHUNK_BYTES, WireTensor, chunk_ranges, to_wire, wire_weights_checksum
 
 logger = logging.getLogger("vroll_client")
 
@@ -645,7 +645,7 @@ class VrollClient:
             raise ValueError(f"chunk_bytes = {chunk_bytes} must be >= 1")
         workers = self._select(endpoints)
         tensors = [to_wire(name, named_tensors[name]) for name in sorted(named_tensors)]
-        expected_checksum = None if partial else weights_checksum(named_tensors)
+        expected_checksum = None if partial else wire_weights_checksum(tensors, named_tensors)
         update_id = self._next_id("u")
         manifest = [protocol.make_manifest_entry(t.name, t.dtype, t.shape, t.num_bytes,
                                                  t.checksum) for t in tensors]

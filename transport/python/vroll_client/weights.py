@@ -147,9 +147,11 @@ def weights_checksum(named_tensors: Mapping[str, Any]) -> int:
     ``update_ack`` for the weights it now uses.
 
     XXH3-64 (seed 0) over, for each name in byte order of its UTF-8 encoding:
-    u64le(len(name_bytes)) name_bytes u64le(4 * numel) float32-le data. Tensors are converted
-    to float32 first (the worker stores fp32; fp16 and bf16 convert exactly). Shapes are not
-    hashed. Example: {"a": [1.0, 2.0], "b": [-0.5]} -> 0xdb40b7aa04e0f55d; {} -> 0x2d06800538d394c2.
+    u64le(len(name_bytes)) name_bytes u64le(4 * numel) u64le(XXH3-64(float32-le data)): a hash of
+    per-tensor digests, so a worker assembles it without another pass over its weights. Tensors
+    are converted to float32 first (the worker stores fp32; fp16 and bf16 convert exactly), so for
+    a float32 tensor the digest is its manifest checksum. Shapes are not hashed. Example:
+    {"a": [1.0, 2.0], "b": [-0.5]} -> 0xcac5fea618160d40; {} -> 0x2d06800538d394c2.
 
     Args:
       named_tensors: {name: torch.Tensor | numpy.ndarray}, float32/float16/bfloat16.
@@ -158,17 +160,38 @@ def weights_checksum(named_tensors: Mapping[str, Any]) -> int:
     Cost: one float32 copy of one tensor at a time (none for contiguous fp32 CPU tensors) and
     one XXH3 pass over all bytes.
     """
-    items = []
+    digests = []
     for name, value in named_tensors.items():
         if not isinstance(name, str):
             raise TypeError(f"tensor name {name!r} is not a str")
-        items.append((name.encode("utf-8"), name, value))
-    items.sort(key=lambda item: item[0])
-    h = xxhash.xxh3_64()
-    for name_bytes, name, value in items:
         data = _float32_le(name, value)
+        digests.append((name.encode("utf-8"), data.nbytes,
+                        xxhash.xxh3_64_intdigest(memoryview(data.reshape(-1).view(np.uint8)))))
+    return weights_checksum_from_digests(digests)
+
+
+def weights_checksum_from_digests(digests: List[Tuple[bytes, int, int]]) -> int:
+    """WeightsChecksum from (UTF-8 name, 4 * numel, XXH3-64 of the float32 data) per tensor, in
+    any order (sorted here). For float32 tensors the digest is ``WireTensor.checksum``, so a push
+    checks the ack without hashing its weights again."""
+    h = xxhash.xxh3_64()
+    for name_bytes, num_bytes, digest in sorted(digests, key=lambda item: item[0]):
         h.update(struct.pack("<Q", len(name_bytes)))
         h.update(name_bytes)
-        h.update(struct.pack("<Q", data.nbytes))
-        h.update(memoryview(data.reshape(-1).view(np.uint8)))
+        h.update(struct.pack("<QQ", num_bytes, digest))
     return h.intdigest()
+
+
+def wire_weights_checksum(tensors: List[WireTensor], named_tensors: Mapping[str, Any]) -> int:
+    """weights_checksum(named_tensors) for tensors already packed by to_wire: float32 tensors
+    reuse their manifest checksum (no second pass over their bytes); fp16/bf16 ones are hashed
+    as float32 values."""
+    digests = []
+    for t in tensors:
+        if t.dtype == "float32":
+            digests.append((t.name.encode("utf-8"), t.num_bytes, t.checksum))
+        else:
+            data = _float32_le(t.name, named_tensors[t.name])
+            digests.append((t.name.encode("utf-8"), data.nbytes,
+                            xxhash.xxh3_64_intdigest(memoryview(data.reshape(-1).view(np.uint8)))))
+    return weights_checksum_from_digests(digests)
