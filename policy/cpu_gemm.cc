@@ -80,17 +80,58 @@ __attribute__((always_inline)) inline void Block(const float* x, int64_t k, cons
 
 }  // namespace
 
+/// In-register transpose of a 16x16 block: four stages, stage s exchanging bit s of the row and
+/// column indices (v[r][e] with e & s set <-> v[r + s][e - s]).
+__attribute__((always_inline)) inline void Transpose16(Vec* v) {
+  for (int r = 0; r < 16; ++r) {
+    if (r & 8) continue;
+    const Vec a = v[r], b = v[r + 8];
+    v[r] = __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
+    v[r + 8] = __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  }
+  for (int r = 0; r < 16; ++r) {
+    if (r & 4) continue;
+    const Vec a = v[r], b = v[r + 4];
+    v[r] = __builtin_shufflevector(a, b, 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27);
+    v[r + 4] = __builtin_shufflevector(a, b, 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+  }
+  for (int r = 0; r < 16; ++r) {
+    if (r & 2) continue;
+    const Vec a = v[r], b = v[r + 2];
+    v[r] = __builtin_shufflevector(a, b, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29);
+    v[r + 2] = __builtin_shufflevector(a, b, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+  }
+  for (int r = 0; r < 16; ++r) {
+    if (r & 1) continue;
+    const Vec a = v[r], b = v[r + 1];
+    v[r] = __builtin_shufflevector(a, b, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30);
+    v[r + 1] = __builtin_shufflevector(a, b, 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+  }
+}
+
+__attribute__((target_clones("avx512f", "fma", "default")))
 void PackWeight(const float* w, int64_t n, int64_t k, int64_t tile_begin, int64_t tile_end, float* packed) {
+  // 16 x 16 blocks: 16 source rows x 16 input features, transposed in registers and stored as
+  // 16 consecutive k steps of the panel (sequential reads and writes).
+  static const float kZeros[kPanel] = {};
   for (int64_t p = tile_begin * kPanelsPerTile; p < tile_end * kPanelsPerTile; ++p) {
     float* dst = packed + p * k * kPanel;
+    const float* rows[kPanel];
+    bool real[kPanel];
     for (int64_t l = 0; l < kPanel; ++l) {
       const int64_t row = p * kPanel + l;
-      if (row < n) {
-        const float* src = w + row * k;
-        for (int64_t kk = 0; kk < k; ++kk) dst[kk * kPanel + l] = src[kk];
-      } else {
-        for (int64_t kk = 0; kk < k; ++kk) dst[kk * kPanel + l] = 0.0f;
-      }
+      real[l] = row < n;
+      rows[l] = real[l] ? w + row * k : kZeros;
+    }
+    int64_t kk = 0;
+    for (; kk + kPanel <= k; kk += kPanel) {
+      Vec v[kPanel];
+      for (int l = 0; l < kPanel; ++l) v[l] = real[l] ? Load(rows[l] + kk) : Vec{};
+      Transpose16(v);
+      for (int c = 0; c < kPanel; ++c) Store(dst + (kk + c) * kPanel, v[c]);
+    }
+    for (; kk < k; ++kk) {
+      for (int64_t l = 0; l < kPanel; ++l) dst[kk * kPanel + l] = real[l] ? rows[l][kk] : 0.0f;
     }
   }
 }

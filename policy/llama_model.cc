@@ -24,16 +24,18 @@ at::Tensor ToTensor(const HostTensor& host, c10::Device device) {
   return t.to(device);
 }
 
-/// w [n, k] packed for kernels::LinearTiles, in parallel over column tiles.
-at::Tensor Pack(const at::Tensor& w) {
+/// Packs w [n, k] for kernels::LinearTiles into `packed` (reusing its memory when it already
+/// has the size: no page faults on repacks), in parallel over column tiles.
+void Pack(const at::Tensor& w, at::Tensor& packed) {
   const at::Tensor src = w.contiguous();
   const int64_t n = src.size(0), k = src.size(1);
-  at::Tensor packed = at::empty({kernels::PackedSize(n, k)}, at::kFloat);
+  if (!packed.defined() || packed.numel() != kernels::PackedSize(n, k)) {
+    packed = at::empty({kernels::PackedSize(n, k)}, at::kFloat);
+  }
   const float* s = src.data_ptr<float>();
   float* d = packed.data_ptr<float>();
   at::parallel_for(0, kernels::NumColumnTiles(n), 8,
                    [&](int64_t begin, int64_t end) { kernels::PackWeight(s, n, k, begin, end, d); });
-  return packed;
 }
 
 /// y [m, n] (row stride ldy) (+)= x [m, k] @ w^T (+ bias), w packed; parallel over column tiles
@@ -122,12 +124,12 @@ void LlamaModel::RepackWeights() {
   if (!device_.is_cpu()) return;
   c10::InferenceMode guard;
   for (Layer& layer : layers_) {
-    layer.packed_qkv = Pack(layer.wqkv);
-    layer.packed_o = Pack(layer.wo);
-    layer.packed_gate_up = Pack(layer.w_gate_up);
-    layer.packed_down = Pack(layer.w_down);
+    Pack(layer.wqkv, layer.packed_qkv);
+    Pack(layer.wo, layer.packed_o);
+    Pack(layer.w_gate_up, layer.packed_gate_up);
+    Pack(layer.w_down, layer.packed_down);
   }
-  packed_lm_head_ = Pack(lm_head_);
+  Pack(lm_head_, packed_lm_head_);
 }
 
 at::Tensor LlamaModel::ForwardCpu(const ForwardBatch& batch, AttentionBackend& kv, at::Tensor* logits_out) const {
