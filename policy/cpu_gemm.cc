@@ -29,9 +29,13 @@ constexpr int kMaxRows = 12;
 /// acc[2 * i + p] = sum_kk x[i, kk] * panel_p[kk, :] for MR rows.
 template <int MR>
 __attribute__((always_inline)) inline void Tile(const float* x, int64_t k, const float* panel0, const float* panel1,
-                                                Vec* acc) {
+                                                const float* prefetch, Vec* acc) {
   for (int i = 0; i < 2 * MR; ++i) acc[i] = Vec{};
   for (int64_t kk = 0; kk < k; ++kk) {
+    if (prefetch != nullptr) {  // the next tile's two cache lines for this k step
+      __builtin_prefetch(prefetch + kk * kPanel);
+      __builtin_prefetch(prefetch + (k + kk) * kPanel);
+    }
     const Vec w0 = Load(panel0 + kk * kPanel), w1 = Load(panel1 + kk * kPanel);
 #pragma GCC unroll 12
     for (int i = 0; i < MR; ++i) {
@@ -63,10 +67,11 @@ __attribute__((always_inline)) inline void StoreLanes(Vec v, const float* bias, 
 }
 
 template <int MR>
-__attribute__((always_inline)) inline void Block(const float* x, int64_t k, const float* tile, int64_t col0, int64_t n,
+__attribute__((always_inline)) inline void Block(const float* x, int64_t k, const float* tile, const float* prefetch,
+                                                 int64_t col0, int64_t n,
                                                  const float* bias, float* y, int64_t ldy, bool accumulate) {
   Vec acc[2 * MR];
-  Tile<MR>(x, k, tile, tile + k * kPanel, acc);
+  Tile<MR>(x, k, tile, tile + k * kPanel, prefetch, acc);
   const int64_t cols0 = std::min<int64_t>(kPanel, n - col0);
   const int64_t cols1 = std::max<int64_t>(0, std::min<int64_t>(kPanel, n - col0 - kPanel));
   for (int i = 0; i < MR; ++i) {
@@ -145,6 +150,9 @@ void LinearTiles(const float* x, int64_t m, int64_t k, const float* packed, int6
     const int64_t r1 = std::min(m, r0 + chunk_rows);
     for (int64_t t = tile_begin; t < tile_end; ++t) {
       const float* tile = packed + t * kTileCols * k;
+      // While the first row block runs on this tile, the next tile is prefetched from memory
+      // (a decode step streams every weight from DRAM once).
+      const float* next = t + 1 < tile_end ? tile + kTileCols * k : nullptr;
       const int64_t col0 = t * kTileCols;
       // Rows in blocks of near-equal size <= 12 (64 rows: 11,11,11,11,10,10 rather than
       // 12 x 5 + 4), so no block runs with few accumulators. The split never changes results.
@@ -154,7 +162,7 @@ void LinearTiles(const float* x, int64_t m, int64_t k, const float* packed, int6
         const int64_t len = base + (b < extra ? 1 : 0);
         switch (len) {
 #define VROLL_BLOCK(R) \
-  case R: Block<R>(x + i * k, k, tile, col0, n, bias, y + i * ldy, ldy, accumulate); break;
+  case R: Block<R>(x + i * k, k, tile, b == 0 ? next : nullptr, col0, n, bias, y + i * ldy, ldy, accumulate); break;
           VROLL_BLOCK(1) VROLL_BLOCK(2) VROLL_BLOCK(3) VROLL_BLOCK(4) VROLL_BLOCK(5) VROLL_BLOCK(6)
           VROLL_BLOCK(7) VROLL_BLOCK(8) VROLL_BLOCK(9) VROLL_BLOCK(10) VROLL_BLOCK(11) VROLL_BLOCK(12)
 #undef VROLL_BLOCK
