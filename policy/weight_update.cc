@@ -433,15 +433,15 @@ UpdateStatus WeightUpdateStaging::Write(const std::string& name, uint64_t offset
   } else {
     written.insert(next, {begin, end});
   }
-  // Copy; when the write extends the hashed prefix, copy and hash block by block so that each
-  // block is hashed (and checked) while in cache.
+  // Stage. When the write extends the hashed prefix, go block by block: hash (and check) the block
+  // as received, then copy it while it is still in cache.
   uint8_t* staged = SourceBytes(slot);
   const uint8_t* in = static_cast<const uint8_t*>(data);
   if (begin == slot.num_hashed_bytes) {
     for (uint64_t pos = begin; pos < end; pos += kHashBlockBytes) {
       const uint64_t block_end = std::min<uint64_t>(end, pos + kHashBlockBytes);
-      HashPrefix(slot, block_end, in + (pos - begin));                           // the bytes as received,
-      StreamingCopy(staged + pos, in + (pos - begin), block_end - pos);          // then staged, cache-hot
+      HashPrefix(slot, block_end, in + (pos - begin));
+      StreamingCopy(staged + pos, in + (pos - begin), block_end - pos);
     }
   } else {
     StreamingCopy(staged + begin, in, num_bytes);
