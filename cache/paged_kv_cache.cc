@@ -128,7 +128,14 @@ at::Tensor PagedKvCache::Attend(int layer, const at::Tensor& q, const at::Tensor
   float* out_ptr = out.data_ptr<float>();
   const float* q_ptr = q.data_ptr<float>();
   const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
-  at::parallel_for(0, num_tokens, 1, [&](int64_t begin, int64_t end) {
+  // Small steps run on the calling thread: waking a worker costs more than their attention.
+  int64_t work = 0;  // multiply-adds of q.k and p.v
+  for (size_t s = 0; s < layout_.context_lens.size(); ++s) {
+    work += int64_t{layout_.query_start[s + 1] - layout_.query_start[s]} * layout_.context_lens[s];
+  }
+  work *= int64_t{2} * n_heads * head_dim;
+  const int64_t grain = work < (int64_t{1} << 20) ? num_tokens : 1;
+  at::parallel_for(0, num_tokens, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     for (int64_t t = begin; t < end; ++t) {
       const int32_t s = row_seq_[t];

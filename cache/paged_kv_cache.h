@@ -10,9 +10,10 @@
 //   positions  [0 ........ bs) [bs ...... 2bs) [2bs .. p]
 //   table      T[0]            T[1]            T[2]          (T[j] any physical block id)
 //
-// Attention is a CPU kernel on raw pointers that reads keys/values straight from the blocks
-// (no gather copies). Each query row is computed by the same code whatever else is in the
-// batch, so results are batch-invariant. It computes, per query head h (kv head h / group),
+// Attention is a CPU kernel on raw pointers (cache/attention_kernel.h) that reads keys/values
+// straight from the blocks (no gather copies), one work item per token row with all its heads.
+// Each query row is computed by the same code whatever else is in the batch, so results are
+// batch-invariant. It computes, per query head h (kv head h / group),
 //   out = softmax(q k^T / sqrt(head_dim)) v   over keys at positions [0, p]  (causal),
 // two-pass (scores, max, exp, sum; then the weighted sum of values), in fp32.
 

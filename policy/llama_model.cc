@@ -45,8 +45,9 @@ void Gemm(const float* x, int64_t m, int64_t k, const at::Tensor& packed, int64_
   const float* w = packed.data_ptr<float>();
   const float* b = bias.defined() ? bias.data_ptr<float>() : nullptr;
   const int64_t tiles = kernels::NumColumnTiles(n);
-  // ~64K multiply-adds per task at least: smaller GEMMs are not worth waking a thread for.
-  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, m * k * kernels::kTileCols));
+  // ~1M multiply-adds per task at least: waking an OpenMP worker costs tens of microseconds
+  // (passive waits), more than a small GEMM (e.g. every GEMM of a 260K-parameter model).
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 20) / std::max<int64_t>(1, m * k * kernels::kTileCols));
   at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
     kernels::LinearTiles(x, m, k, w, n, b, y, ldy, accumulate, begin, end);
   });
@@ -55,7 +56,7 @@ void Gemm(const float* x, int64_t m, int64_t k, const at::Tensor& packed, int64_
 /// f(row) for rows [0, m), in parallel when the rows are many.
 template <typename F>
 void ForRows(int64_t m, int64_t row_elems, F&& f) {
-  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, row_elems));
+  const int64_t grain = std::max<int64_t>(1, 262144 / std::max<int64_t>(1, row_elems));
   at::parallel_for(0, m, grain, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) f(i);
   });
