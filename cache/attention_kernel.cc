@@ -223,9 +223,14 @@ __attribute__((always_inline)) inline void AttendTokenImpl(const float* q, int n
   for (int j0 = 0; j0 < num_keys; j0 += 16) {
     const int n = std::min(16, num_keys - j0);
     const float* kp[16];
-    for (int i = 0; i < 16; ++i) {
-      const int j = j0 + (i < n ? i : 0);
-      kp[i] = k_base + table[j / block_size] * block_stride + (j % block_size) * token_stride;
+    if (block_size % 16 == 0) {  // the 16 keys lie in one block (j0 is a multiple of 16): no divisions
+      const float* base = k_base + table[j0 / block_size] * block_stride + (j0 % block_size) * token_stride;
+      for (int i = 0; i < 16; ++i) kp[i] = base + (i < n ? i : 0) * token_stride;
+    } else {
+      for (int i = 0; i < 16; ++i) {
+        const int j = j0 + (i < n ? i : 0);
+        kp[i] = k_base + table[j / block_size] * block_stride + (j % block_size) * token_stride;
+      }
     }
     for (int h = 0; h < n_heads; ++h) {
       const int64_t off = int64_t{h / group} * kD;
