@@ -25,7 +25,8 @@ using policy::ModelConfig;
 using vroll::testing::MaxRelDiff;
 
 // (block size, head_dim): head_dim 8 takes the kernel's generic per-head path, 48 and 64 the
-// vectorized all-heads path (multiples of 16).
+// vectorized all-heads path (multiples of 16); block sizes 16 and 32 its division-free key
+// addressing (16 keys within one block), 1 and 4 the general one.
 class PagedAttentionTest : public ::testing::TestWithParam<std::tuple<int, int>> {};
 
 TEST_P(PagedAttentionTest, EqualsContiguousAttentionOnRandomChunks) {
@@ -97,7 +98,7 @@ TEST_P(PagedAttentionTest, EqualsContiguousAttentionOnRandomChunks) {
 }
 
 INSTANTIATE_TEST_SUITE_P(BlockSizesAndHeadDims, PagedAttentionTest,
-                         ::testing::Combine(::testing::Values(1, 4, 16), ::testing::Values(8, 48, 64)));
+                         ::testing::Combine(::testing::Values(1, 4, 16, 32), ::testing::Values(8, 48, 64)));
 
 TEST(PagedKvCacheTest, CopyBlocksCopiesEveryLayer) {
   c10::InferenceMode guard;
