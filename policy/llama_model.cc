@@ -133,6 +133,43 @@ void LlamaModel::RepackWeights() {
   Pack(lm_head_, packed_lm_head_);
 }
 
+std::vector<at::Tensor> LlamaModel::PackedWeightSources() const {
+  std::vector<at::Tensor> sources;
+  if (!device_.is_cpu()) return sources;
+  for (const Layer& layer : layers_) {
+    sources.insert(sources.end(), {layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down});
+  }
+  sources.push_back(lm_head_);
+  return sources;
+}
+
+at::Tensor* LlamaModel::MutablePacked(size_t i) {
+  if (!device_.is_cpu()) return nullptr;
+  constexpr size_t kPerLayer = 4;
+  if (i == kPerLayer * layers_.size()) return &packed_lm_head_;
+  if (i > kPerLayer * layers_.size()) return nullptr;
+  Layer& layer = layers_[i / kPerLayer];
+  at::Tensor* per_layer[kPerLayer] = {&layer.packed_qkv, &layer.packed_o, &layer.packed_gate_up, &layer.packed_down};
+  return per_layer[i % kPerLayer];
+}
+
+const at::Tensor& LlamaModel::packed_weight(size_t i) const {
+  at::Tensor* packed = const_cast<LlamaModel*>(this)->MutablePacked(i);
+  if (packed == nullptr) throw std::invalid_argument(fmt::format("packed_weight({}): no such packed weight", i));
+  return *packed;
+}
+
+void LlamaModel::SwapPackedWeight(size_t i, at::Tensor& packed) {
+  at::Tensor* mine = MutablePacked(i);
+  if (mine == nullptr) throw std::invalid_argument(fmt::format("SwapPackedWeight({}): no such packed weight", i));
+  if (!packed.defined() || !packed.device().is_cpu() || packed.scalar_type() != at::kFloat ||
+      packed.numel() != mine->numel()) {
+    throw std::invalid_argument(
+        fmt::format("SwapPackedWeight({}): needs a CPU fp32 tensor of {} floats", i, mine->numel()));
+  }
+  std::swap(*mine, packed);
+}
+
 at::Tensor LlamaModel::ForwardCpu(const ForwardBatch& batch, AttentionBackend& kv, at::Tensor* logits_out) const {
   const int64_t t = static_cast<int64_t>(batch.token_ids.size());
   const int64_t dim = config_.dim, n_heads = config_.n_heads, n_kv = config_.n_kv_heads;

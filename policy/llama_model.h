@@ -73,7 +73,26 @@ class LlamaModel {
   /// No-op on other devices. Not thread-safe with Forward.
   void RepackWeights();
 
+  /// The GEMM weights the CPU forward pass reads packed, in a fixed order: per layer q/k/v
+  /// (fused), o, gate/up (fused), down; then the output head (the embedding when tied). Element
+  /// i is the [rows, cols] tensor that packed_weight(i) is packed from: a whole storage of the
+  /// model, also reached through NamedParameters(). Empty on other devices.
+  std::vector<at::Tensor> PackedWeightSources() const;
+
+  /// Packed copy i of PackedWeightSources (kernels::PackedSize(rows, cols) floats), as the
+  /// forward pass reads it. CPU only.
+  const at::Tensor& packed_weight(size_t i) const;
+
+  /// Exchanges packed copy i with `packed` (CPU fp32, same number of floats; else
+  /// std::invalid_argument): O(1), nothing is copied. For an applier that packed the source's new
+  /// values off the engine thread (policy/weight_prepack.h) and swaps them in together with the
+  /// source's storage. Not thread-safe with Forward.
+  void SwapPackedWeight(size_t i, at::Tensor& packed);
+
  private:
+  /// Packed copy i of PackedWeightSources; null on other devices or out of range.
+  at::Tensor* MutablePacked(size_t i);
+
   struct Layer {
     at::Tensor attn_norm;   // [dim]
     at::Tensor wqkv;        // [q_dim + 2 * kv_dim, dim]

@@ -7,6 +7,7 @@
 #endif
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <limits>
 #include <memory>
@@ -369,8 +370,17 @@ UpdateStatus WeightUpdateStaging::Begin(const UpdateManifest& manifest, PolicyVe
     slot.num_checked_elems = 0;
     slot.first_nonfinite = kNoElement;
     slot.values_checksum = 0;
+    slot.finalized = false;
+    slot.source_digest = 0;
   }
+  static std::atomic<uint64_t> next_transaction_id{1};
+  transaction_id_ = next_transaction_id.fetch_add(1, std::memory_order_relaxed);
   state_ = State::kStaging;
+  if (observer_ != nullptr) {
+    std::vector<size_t> indices = manifest_slots_;
+    std::sort(indices.begin(), indices.end());
+    observer_->OnBegin(transaction_id_, indices);
+  }
   return UpdateStatus::Ok();
 }
 
@@ -451,7 +461,41 @@ UpdateStatus WeightUpdateStaging::Write(const std::string& name, uint64_t offset
   if (written.front().first == 0 && written.front().second > slot.num_hashed_bytes) {
     HashPrefix(slot, written.front().second);
   }
+  if (written.size() == 1 && written[0].first == 0 && written[0].second == slot.num_bytes) Finalize(it->second);
   return UpdateStatus::Ok();
+}
+
+void WeightUpdateStaging::Finalize(size_t index) {
+  Slot& slot = slots_[index];
+  if (slot.finalized) return;
+  VROLL_CHECK(slot.num_hashed_bytes == slot.num_bytes, "tensor {}: finalized with {} of {} bytes hashed",
+              params_[index].name, slot.num_hashed_bytes, slot.num_bytes);
+  if (slot.dtype != DType::kF32) {
+    // The source bytes' digest is kept for Verify; the hash state then hashes the fp32 values,
+    // each converted block while in cache.
+    slot.source_digest = XXH3_64bits_digest(slot.hash.get());
+    float* out = Values(slot);
+    const uint8_t* in = slot.raw.data();
+    const bool half = slot.dtype == DType::kF16;
+    VROLL_CHECK(XXH3_64bits_reset(slot.hash.get()) == XXH_OK, "XXH3_64bits_reset failed");
+    constexpr uint64_t kBlockElems = kHashBlockBytes / sizeof(float);
+    for (uint64_t begin = 0; begin < slot.numel; begin += kBlockElems) {
+      const uint64_t end = std::min(slot.numel, begin + kBlockElems);
+      if (half) {
+        for (uint64_t i = begin; i < end; ++i) out[i] = HalfToFloat(LoadU16(in + 2 * i));
+      } else {
+        for (uint64_t i = begin; i < end; ++i) out[i] = BFloat16ToFloat(LoadU16(in + 2 * i));
+      }
+      XXH3_64bits_update(slot.hash.get(), out + begin, (end - begin) * sizeof(float));
+      if (slot.first_nonfinite == kNoElement) {
+        const uint64_t first = FirstNonFinite(reinterpret_cast<const uint8_t*>(out + begin), end - begin);
+        if (first != kNoElement) slot.first_nonfinite = begin + first;
+      }
+    }
+    slot.values_checksum = XXH3_64bits_digest(slot.hash.get());
+  }
+  slot.finalized = true;
+  if (observer_ != nullptr) observer_->OnStaged(index, Values(slot));
 }
 
 void WeightUpdateStaging::HashPrefix(Slot& slot, uint64_t end, const uint8_t* bytes) {
@@ -518,7 +562,8 @@ UpdateStatus WeightUpdateStaging::Verify() {
   for (size_t index : manifest_slots_) {
     Slot& slot = slots_[index];
     if (slot.num_hashed_bytes < slot.num_bytes) HashPrefix(slot, slot.num_bytes);
-    const uint64_t actual = XXH3_64bits_digest(slot.hash.get());
+    const uint64_t actual =
+        slot.finalized && slot.dtype != DType::kF32 ? slot.source_digest : XXH3_64bits_digest(slot.hash.get());
     if (actual != slot.checksum) {
       return Poison(fmt::format(
           "{}tensor {}: checksum mismatch: manifest says {:#018x}, the {} {} bytes received hash to {:#018x} "
@@ -526,36 +571,17 @@ UpdateStatus WeightUpdateStaging::Verify() {
           Prefix(), params_[index].name, slot.checksum, slot.num_bytes, DTypeName(slot.dtype), actual));
     }
   }
-  // 3. Convert 16-bit sources into the fp32 buffers (fp32 sources were written in place, and
-  // hashed and checked on arrival), hashing and checking each converted block while in cache.
+  // 3. 16-bit sources were converted when complete (Finalize); only tensors that no write
+  // completed (empty ones) are finalized here.
   for (size_t index : manifest_slots_) {
     Slot& slot = slots_[index];
     VROLL_CHECK(slot.external != nullptr || slot.values.size() == slot.numel,
                 "tensor {}: fp32 buffer holds {} of {} floats", params_[index].name, slot.values.size(), slot.numel);
+    Finalize(index);
     if (slot.dtype == DType::kF32) {
       VROLL_CHECK(slot.first_nonfinite != kNoElement || slot.num_checked_elems == slot.numel,
                   "tensor {}: {} of {} values checked", params_[index].name, slot.num_checked_elems, slot.numel);
       slot.values_checksum = slot.checksum;  // verified above: the source bytes are the fp32 values
-    } else {
-      float* out = Values(slot);
-      const uint8_t* in = slot.raw.data();
-      const bool half = slot.dtype == DType::kF16;
-      VROLL_CHECK(XXH3_64bits_reset(slot.hash.get()) == XXH_OK, "XXH3_64bits_reset failed");
-      constexpr uint64_t kBlockElems = kHashBlockBytes / sizeof(float);
-      for (uint64_t begin = 0; begin < slot.numel; begin += kBlockElems) {
-        const uint64_t end = std::min(slot.numel, begin + kBlockElems);
-        if (half) {
-          for (uint64_t i = begin; i < end; ++i) out[i] = HalfToFloat(LoadU16(in + 2 * i));
-        } else {
-          for (uint64_t i = begin; i < end; ++i) out[i] = BFloat16ToFloat(LoadU16(in + 2 * i));
-        }
-        XXH3_64bits_update(slot.hash.get(), out + begin, (end - begin) * sizeof(float));
-        if (slot.first_nonfinite == kNoElement) {
-          const uint64_t first = FirstNonFinite(reinterpret_cast<const uint8_t*>(out + begin), end - begin);
-          if (first != kNoElement) slot.first_nonfinite = begin + first;
-        }
-      }
-      slot.values_checksum = XXH3_64bits_digest(slot.hash.get());
     }
   }
   verified_.clear();
@@ -566,6 +592,7 @@ UpdateStatus WeightUpdateStaging::Verify() {
                          slot.first_nonfinite == kNoElement ? std::nullopt : std::optional<uint64_t>(slot.first_nonfinite)});
   }
   state_ = State::kVerified;
+  if (observer_ != nullptr) observer_->OnVerified();
   return UpdateStatus::Ok();
 }
 
@@ -583,7 +610,9 @@ void WeightUpdateStaging::Abort() {
   verified_.clear();
   poison_cause_.clear();
   pending_version_ = 0;
+  transaction_id_ = 0;
   state_ = State::kIdle;
+  if (observer_ != nullptr) observer_->OnEnd();
 }
 
 void WeightUpdateStaging::UseValueBuffers(const std::vector<float*>& buffers) {
@@ -592,6 +621,11 @@ void WeightUpdateStaging::UseValueBuffers(const std::vector<float*>& buffers) {
   }
   if (state_ == State::kStaging) throw WeightUpdateError("UseValueBuffers called while a transaction is staging");
   for (size_t i = 0; i < params_.size(); ++i) slots_[i].external = buffers[i];
+}
+
+void WeightUpdateStaging::SetObserver(StagingObserver* observer) {
+  if (state_ == State::kStaging) throw WeightUpdateError("SetObserver called while a transaction is staging");
+  observer_ = observer;
 }
 
 void WeightUpdateStaging::Finish() {

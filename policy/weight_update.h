@@ -207,6 +207,32 @@ struct VerifiedTensor {
   std::optional<uint64_t> first_nonfinite;
 };
 
+/// Told about a WeightUpdateStaging's transaction as it goes, so that work on the staged values
+/// (packing them for the CPU GEMM: policy/weight_prepack.h) overlaps the transfer of the rest.
+/// Every call comes from the staging's owner thread, inside the staging call named beside it; an
+/// observer must not call back into the staging. Nothing an observer sees is verified before
+/// OnVerified: it works on staging memory only and publishes nothing.
+///
+///   Begin ok -> OnBegin
+///   Write completing a tensor (or Verify, for one never completed by a write) -> OnStaged
+///   Verify ok -> OnVerified
+///   Abort / Finish / the Abort that opens a Begin -> OnEnd (also when no transaction was open)
+class StagingObserver {
+ public:
+  virtual ~StagingObserver() = default;
+  /// A transaction `transaction_id` (WeightUpdateStaging::transaction_id) opened; it names the
+  /// parameters `manifest_params` (indices into params(), ascending).
+  virtual void OnBegin(uint64_t transaction_id, const std::vector<size_t>& manifest_params) = 0;
+  /// Parameter `index` is complete: its fp32 values (converted from a 16-bit source) lie final at
+  /// `values` (numel floats, the staged buffer) and stay there until the transaction ends. Once
+  /// per manifest parameter; its checksum is checked only by Verify.
+  virtual void OnStaged(size_t index, const float* values) = 0;
+  /// Verify succeeded: every manifest parameter was reported by OnStaged.
+  virtual void OnVerified() = 0;
+  /// The transaction ended or was discarded; staged values may be overwritten from now on.
+  virtual void OnEnd() = 0;
+};
+
 /// Stages and verifies one weight update at a time for a model with a fixed parameter list.
 ///
 /// Ownership: owns one fp32 buffer per parameter that an update has named (allocated on first
@@ -257,18 +283,20 @@ class WeightUpdateStaging {
   /// then copied while in cache, with non-temporal stores; bytes written ahead of the prefix are
   /// hashed from the staged copy once the gap before them is filled. Cost: one XXH3 pass and one
   /// streaming copy of the bytes, plus O(log k + k) for k disjoint ranges already written.
+  /// The write that completes a tensor also converts a 16-bit source to fp32 (one pass, as
+  /// Verify would) and tells the observer (StagingObserver::OnStaged), whose work it includes.
   UpdateStatus Write(const std::string& name, uint64_t offset, const void* data, size_t num_bytes);
 
   /// The commit check. kStaging -> kVerified when every manifest tensor was written completely
   /// (exactly once follows from the overlap check) and its raw bytes hash to the manifest
-  /// checksum; then fp16/bf16 sources are converted into the fp32 buffers. Otherwise ->
+  /// checksum (fp16/bf16 sources were converted into the fp32 buffers when their last byte
+  /// arrived, see Write), then tells the observer (OnVerified). Otherwise ->
   /// kPoisoned, naming the first incomplete tensor (with its first missing byte range) or the
   /// first checksum mismatch. A second Verify in kVerified (a duplicate commit) also poisons; in
   /// kIdle or kPoisoned it is refused and changes nothing. Each VerifiedTensor carries the digest
   /// of its fp32 values and its first non-finite element.
   /// Cost: the checksums were computed as the bytes arrived (see Write), so for fp32 sources
-  /// this is O(tensors); fp16/bf16 sources take one conversion pass, hashing and checking the
-  /// fp32 values block by block as they are produced.
+  /// this is O(tensors), plus what the observer does in OnVerified.
   UpdateStatus Verify();
 
   /// The verified tensors, in parameter order, for the apply step. Only in kVerified (else
@@ -289,6 +317,15 @@ class WeightUpdateStaging {
   /// Closes a transaction whose verified() was applied: kVerified -> kIdle (else
   /// WeightUpdateError). Buffers are kept for reuse.
   void Finish();
+
+  /// Reports this staging's transactions to `observer` (borrowed; null: none) from the next Begin
+  /// on. Same states as UseValueBuffers (WeightUpdateError in kStaging).
+  void SetObserver(StagingObserver* observer);
+
+  /// A process-wide unique, nonzero id of the open transaction, assigned by a successful Begin
+  /// (0 in kIdle, and after a Begin that failed). Lets an applier match work an observer did for
+  /// this transaction.
+  uint64_t transaction_id() const { return transaction_id_; }
 
   State state() const { return state_; }
   /// True in kStaging or kVerified (a transaction is open and not poisoned).
@@ -334,7 +371,16 @@ class WeightUpdateStaging {
     uint64_t num_checked_elems = 0;
     uint64_t first_nonfinite = 0;
     uint64_t values_checksum = 0;  // TensorChecksum of the fp32 values, set by Verify
+    // Complete and final (16-bit sources converted; observer told), in this transaction. A
+    // converted slot's hash state then holds the fp32 values' hash; the source bytes' digest is
+    // kept in source_digest for Verify.
+    bool finalized = false;
+    uint64_t source_digest = 0;
   };
+
+  /// Makes a complete slot's fp32 values final: converts a 16-bit source (hashing and checking
+  /// the fp32 values), then tells the observer. Idempotent within a transaction.
+  void Finalize(size_t index);
 
   /// Feeds the slot's source bytes [num_hashed_bytes, end) into its hash and checks the fp32
   /// elements that became whole. `bytes` holds those bytes (the chunk as received); null: read
@@ -360,6 +406,8 @@ class WeightUpdateStaging {
   std::vector<Slot> slots_;             // parallel to params_; never resized after construction
   std::vector<size_t> manifest_slots_;  // slot indices in manifest order (capacity reused)
   std::vector<VerifiedTensor> verified_;
+  uint64_t transaction_id_ = 0;
+  StagingObserver* observer_ = nullptr;  // borrowed, see SetObserver
 };
 
 }  // namespace vroll::policy

@@ -340,7 +340,7 @@ void Engine::ApplyUpdate(PendingUpdate& u, UpdateResult ack) {
     u.staging->Abort();
   } else {
     // One critical section on the engine thread: weights, version and prefix cache move together.
-    runner_->ApplyWeights(u.staging->verified());
+    runner_->ApplyWeights(u.staging->verified(), u.staging->transaction_id());
     {
       // A bound staging staged into the spares, which the swap just made the model's weights: it
       // stages the next update into the new spares (the old weights' memory).
@@ -363,9 +363,13 @@ void Engine::ApplyUpdate(PendingUpdate& u, UpdateResult ack) {
   PublishStats();
   Logger("rollout").info(
       "weight update {}: version {} ({}; drained {}, aborted {}, restarted {}, recomputed {}; waited {:.1f} ms, "
-      "stall {:.2f} ms, checksum {:016x})",
+      "stall {:.2f} ms{}, checksum {:016x})",
       ack.ok ? "applied" : "refused", ack.version, InFlightModeName(ack.mode), ack.num_drained, ack.num_aborted,
-      ack.num_restarted, ack.num_recomputed, ack.wait_ms, ack.stall_ms, ack.weights_checksum);
+      ack.num_restarted, ack.num_recomputed, ack.wait_ms, ack.stall_ms,
+      !ack.ok ? "" : runner_->last_apply_prepacked()
+                         ? fmt::format(", packed while staging in {:.1f} ms", runner_->last_prepack_ms())
+                         : std::string(", repacked here"),
+      ack.weights_checksum);
   if (u.on_done) u.on_done(std::move(ack));
 }
 
@@ -374,6 +378,7 @@ std::shared_ptr<policy::WeightUpdateStaging> Engine::MakeStaging() {
   std::lock_guard<std::mutex> lock(staging_mu_);
   if (bound_staging_.expired()) {  // no other staging writes into the spares
     staging->UseValueBuffers(spare_buffers_);
+    staging->SetObserver(runner_->staging_observer());  // packs GEMM weights as they are staged
     bound_staging_ = staging;
   }
   return staging;

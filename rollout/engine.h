@@ -43,8 +43,10 @@ struct EngineConfig {
   /// sample's logits may differ in the last bits depending on what else is in the step.
   bool batch_invariant = true;
   /// Weight updates staged by the engine's bound staging (MakeStaging) are swapped into the
-  /// model instead of copied (ModelRunnerConfig::swap_weight_buffers): the stall drops to
-  /// microseconds, for one spare copy of the weights allocated at construction.
+  /// model instead of copied, their GEMM weights packed on the staging's thread as they arrive
+  /// rather than repacked at the safe point (ModelRunnerConfig::swap_weight_buffers): the stall
+  /// drops to microseconds, for one spare copy of the weights and one of the packed GEMM
+  /// weights, allocated at construction.
   bool swap_weight_buffers = true;
 
   /// Throws policy::ConfigError naming the field.
@@ -151,12 +153,17 @@ class Engine {
   /// A staging for this engine's parameters. The first one made (again once it is destroyed) is
   /// bound to the model's spare buffers (ModelRunner::StagingBuffers): it stages fp32 values in
   /// place and its updates are swapped into the model rather than copied; the engine re-points
-  /// it to the new spares as it applies (while the staging is handed over). Others stage into
-  /// their own buffers and are applied by copy. Any thread.
+  /// it to the new spares as it applies (while the staging is handed over). It is also observed
+  /// by ModelRunner::staging_observer(): its Write/Verify calls pack each GEMM weight into a
+  /// spare packed buffer once the update's tensors in it are staged (serially, on the caller's
+  /// thread; a partly named fused weight is completed with the model's current values), so the
+  /// safe point swaps packed buffers too and repacks nothing. Others stage into their own
+  /// buffers and are applied by copy and a repack on the engine thread. Any thread.
   std::shared_ptr<policy::WeightUpdateStaging> MakeStaging();
 
   /// Hands a verified transaction to the engine thread, which at its next safe point (after
-  /// dealing with in-flight sequences per `mode`) copies the weights into the model, bumps the
+  /// dealing with in-flight sequences per `mode`) installs the weights (ModelRunner::ApplyWeights:
+  /// a swap of prepared buffers for the bound staging, else copy and repack), bumps the
   /// version and invalidates the prefix cache in one critical section, then calls `on_done` (on
   /// the engine thread) with the acknowledgement. `staging` must be verified and left untouched
   /// until `on_done` runs; the engine calls staging->Finish() before it. Refused (returned, and

@@ -10,7 +10,9 @@
 
 #include "cache/paged_kv_cache.h"
 #include "policy/check.h"
+#include "policy/cpu_kernels.h"
 #include "policy/llama_model.h"
+#include "policy/weight_prepack.h"
 #include "rollout/sampler_kernels.h"
 
 namespace vroll::rollout {
@@ -60,6 +62,26 @@ struct ModelRunner::Impl {
   std::vector<int> param_group;              // parallel to params; -1: applied by copy
   std::vector<size_t> param_offset_floats;   // offset of the parameter's view in its storage
   int64_t num_swapped_groups = 0;            // by the last ApplyWeights, for tests and logs
+
+  // Packing off the engine thread (policy/weight_prepack.h): the usable swap groups, each with a
+  // spare packed buffer when the model packs its storage, observed by the staging bound to the
+  // spares. At the safe point a prepared update swaps storages and packed buffers (pointers).
+  std::unique_ptr<policy::WeightPrepacker> prepacker;  // null without swap groups
+  std::vector<size_t> prepack_group;      // prepacker group -> swap group
+  std::vector<int> group_packed;          // swap group -> LlamaModel::packed_weight index, or -1
+  std::vector<at::Tensor> spare_packed;   // per swap group: PackedSize floats, or undefined
+  bool last_apply_prepacked = false;
+
+  /// Points the prepacker at where each group's memory is now. Between transactions only.
+  void RefreshPrepackBuffers() {
+    if (!prepacker) return;
+    std::vector<policy::PrepackBuffers> buffers;
+    for (size_t g : prepack_group) {
+      buffers.push_back({groups[g].spare.data_ptr<float>(), static_cast<const float*>(groups[g].model.data()),
+                         spare_packed[g].defined() ? spare_packed[g].data_ptr<float>() : nullptr});
+    }
+    prepacker->SetBuffers(std::move(buffers));
+  }
 
   /// Where parameter `i` stages in its group's spare, or null.
   float* SparePointer(size_t i) const {
@@ -122,6 +144,37 @@ ModelRunner::ModelRunner(const policy::Checkpoint& checkpoint, const ModelRunner
     group.spare = at::zeros({static_cast<int64_t>(end)}, at::kFloat);  // faulted in now, not at the first update
     for (size_t i : group.params) m.param_group[i] = static_cast<int>(g);
   }
+  // Prepacking: every usable group, packed too when it is the storage of a packed GEMM weight.
+  m.group_packed.assign(m.groups.size(), -1);
+  m.spare_packed.resize(m.groups.size());
+  const std::vector<at::Tensor> packed_sources = m.model.PackedWeightSources();
+  std::vector<policy::PrepackGroup> prepack;
+  for (size_t g = 0; g < m.groups.size(); ++g) {
+    Impl::SwapGroup& group = m.groups[g];
+    if (!group.spare.defined()) continue;
+    policy::PrepackGroup pg;
+    for (size_t i : group.params) {
+      pg.params.push_back(i);
+      pg.offsets.push_back(m.param_offset_floats[i]);
+      pg.numels.push_back(m.param_numel[i]);
+    }
+    pg.numel = static_cast<uint64_t>(group.spare.numel());
+    for (size_t j = 0; j < packed_sources.size(); ++j) {
+      const at::Tensor& src = packed_sources[j];
+      if (src.storage().unsafeGetStorageImpl() != group.model.unsafeGetStorageImpl()) continue;
+      VROLL_CHECK(src.storage_offset() == 0 && src.is_contiguous() && static_cast<uint64_t>(src.numel()) == pg.numel,
+                  "packed weight {} is not its whole storage", j);
+      pg.pack_rows = src.size(0);
+      pg.pack_cols = src.size(1);
+      m.group_packed[g] = static_cast<int>(j);
+      m.spare_packed[g] = at::zeros({policy::kernels::PackedSize(pg.pack_rows, pg.pack_cols)}, at::kFloat);
+    }
+    m.prepack_group.push_back(g);
+    prepack.push_back(std::move(pg));
+  }
+  if (prepack.empty()) return;
+  m.prepacker = std::make_unique<policy::WeightPrepacker>(params.size(), std::move(prepack));
+  m.RefreshPrepackBuffers();
 }
 
 ModelRunner::~ModelRunner() = default;
@@ -134,8 +187,14 @@ std::vector<policy::ParamSpec> ModelRunner::ParamSpecs() const {
   return specs;
 }
 
-void ModelRunner::ApplyWeights(const std::vector<policy::VerifiedTensor>& tensors) {
+void ModelRunner::ApplyWeights(const std::vector<policy::VerifiedTensor>& tensors, uint64_t transaction_id) {
   c10::InferenceMode guard;
+  Impl& m = *impl_;
+  m.last_apply_prepacked = m.prepacker && m.prepacker->Prepared(transaction_id);
+  if (m.last_apply_prepacked) {
+    ApplyPrepacked(tensors);
+    return;
+  }
   const auto params = impl_->model.NamedParameters();
   // Host fp32 destinations that are one contiguous range (every parameter of a CPU model: the
   // fused q/k/v and gate/up views are row ranges) are copied as pieces of at most kPieceBytes by
@@ -147,7 +206,6 @@ void ModelRunner::ApplyWeights(const std::vector<policy::VerifiedTensor>& tensor
     const char* src;
     size_t num_bytes;
   };
-  Impl& m = *impl_;
   // Groups whose every parameter was staged in place in the spare are swapped, not copied.
   std::vector<size_t> num_in_spare(m.groups.size(), 0);
   for (const policy::VerifiedTensor& t : tensors) {
@@ -188,6 +246,50 @@ void ModelRunner::ApplyWeights(const std::vector<policy::VerifiedTensor>& tensor
     ++m.num_swapped_groups;
   }
   impl_->model.RepackWeights();  // the CPU kernels read packed copies
+  if (m.prepacker) {
+    m.prepacker->BumpGeneration();  // values a concurrent staging read from the model are stale
+    // Swaps happen only for a staging bound to the spares, which is handed over now.
+    if (m.num_swapped_groups > 0) m.RefreshPrepackBuffers();
+  }
+}
+
+void ModelRunner::ApplyPrepacked(const std::vector<policy::VerifiedTensor>& tensors) {
+  Impl& m = *impl_;
+  for (const policy::VerifiedTensor& t : tensors) {
+    const size_t index = m.param_index.at(t.param->name);
+    VROLL_CHECK(m.param_numel[index] == t.values->size(), "tensor {}: {} values for {} elements", t.param->name,
+                t.values->size(), m.param_numel[index]);
+    m.param_digests[index] = t.values_checksum;  // the filled-in parameters keep theirs
+  }
+  // Each touched storage is complete in its spare (named parameters staged, the others copied
+  // from the model) and packed: swap the memory of both, pointers only.
+  m.num_swapped_groups = 0;
+  for (size_t pg : m.prepacker->touched_groups()) {
+    const size_t g = m.prepack_group[pg];
+    c10::StorageImpl* model = m.groups[g].model.unsafeGetStorageImpl();
+    c10::StorageImpl* spare = m.groups[g].spare.storage().unsafeGetStorageImpl();
+    VROLL_CHECK(model->nbytes() == spare->nbytes(), "swap group {}: {} vs {} bytes", g, model->nbytes(), spare->nbytes());
+    at::DataPtr old_model = model->set_data_ptr(spare->set_data_ptr(at::DataPtr(nullptr, spare->device())));
+    spare->set_data_ptr_noswap(std::move(old_model));
+    if (m.group_packed[g] >= 0) m.model.SwapPackedWeight(static_cast<size_t>(m.group_packed[g]), m.spare_packed[g]);
+    ++m.num_swapped_groups;
+  }
+  m.prepacker->Consume();
+  m.prepacker->BumpGeneration();
+  m.RefreshPrepackBuffers();
+}
+
+policy::StagingObserver* ModelRunner::staging_observer() { return impl_->prepacker.get(); }
+
+bool ModelRunner::last_apply_prepacked() const { return impl_->last_apply_prepacked; }
+
+double ModelRunner::last_prepack_ms() const { return impl_->prepacker ? impl_->prepacker->busy_ms() : 0.0; }
+
+size_t ModelRunner::num_packed_weights() const { return impl_->model.PackedWeightSources().size(); }
+
+policy::FloatSpan ModelRunner::packed_weight(size_t i) const {
+  const at::Tensor& packed = impl_->model.packed_weight(i);
+  return policy::FloatSpan(packed.data_ptr<float>(), static_cast<size_t>(packed.numel()));
 }
 
 std::vector<float*> ModelRunner::StagingBuffers() const {

@@ -24,9 +24,11 @@ struct ModelRunnerConfig {
   /// See policy::ModelOptions::batch_invariant.
   bool batch_invariant = true;
   /// Keep a spare copy of every host fp32 weight storage that the parameters tile exactly, for a
-  /// staging to stage into (StagingBuffers) so that ApplyWeights swaps buffers instead of copying.
-  /// Costs one copy of those weights, allocated at construction (what a staging would allocate
-  /// at the first update anyway).
+  /// staging to stage into (StagingBuffers) so that ApplyWeights swaps buffers instead of copying,
+  /// and a spare packed copy of every packed GEMM weight, which staging_observer() packs updates
+  /// into off the engine thread so that ApplyWeights does not repack. Costs one copy of those
+  /// weights plus one packed copy of the GEMM weights (about the same size again), allocated
+  /// at construction (what a staging would allocate at the first update anyway).
   bool swap_weight_buffers = true;
 };
 
@@ -61,7 +63,33 @@ class ModelRunner {
   /// changes); other values are copied in pieces spread over the intra-op threads (memory
   /// bandwidth bound). Tied heads share storage with the embedding, so they change with it.
   /// Engine thread, between steps (nothing may be reading the weights).
-  void ApplyWeights(const std::vector<policy::VerifiedTensor>& tensors);
+  ///
+  /// Prepared updates: when `transaction_id` (policy::WeightUpdateStaging::transaction_id) is a
+  /// transaction that staging_observer() saw staged in StagingBuffers() and prepared (every
+  /// storage it names completed in its spare and packed there, and no other update applied
+  /// since it began), the touched storages and their packed copies are swapped in: pointers
+  /// only, no copy and no repack (last_apply_prepacked()). Otherwise values are swapped or
+  /// copied as above and every GEMM weight is repacked on this thread (~1 pass over the GEMM
+  /// weights; RepackWeights).
+  void ApplyWeights(const std::vector<policy::VerifiedTensor>& tensors, uint64_t transaction_id = 0);
+
+  /// Observes the staging bound to StagingBuffers() (policy::WeightUpdateStaging::SetObserver)
+  /// and packs, on that staging's thread, each storage an update names into a spare packed
+  /// buffer as soon as its tensors are staged (policy::WeightPrepacker). Null when no storage
+  /// can be swapped (swap_weight_buffers off). Owned by the runner; observe one staging only,
+  /// and only one bound to StagingBuffers().
+  policy::StagingObserver* staging_observer();
+
+  /// Whether the last ApplyWeights swapped a prepared update in (no repack on this thread).
+  bool last_apply_prepacked() const;
+  /// Time the prepacker spent packing (and completing partly named storages) for the last
+  /// transaction it observed, on the staging's thread.
+  double last_prepack_ms() const;
+
+  /// The packed GEMM weights the CPU forward pass reads (policy::LlamaModel::packed_weight), for
+  /// tests: count, and weight i as it is now (valid until the next ApplyWeights).
+  size_t num_packed_weights() const;
+  policy::FloatSpan packed_weight(size_t i) const;
 
   /// Per parameter (NamedParameters order), where a staging should stage its fp32 values so that
   /// ApplyWeights can swap them in (policy::WeightUpdateStaging::UseValueBuffers), or null where
@@ -85,6 +113,9 @@ class ModelRunner {
   int64_t bytes_per_block() const;
 
  private:
+  /// ApplyWeights' prepared path.
+  void ApplyPrepacked(const std::vector<policy::VerifiedTensor>& tensors);
+
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };
