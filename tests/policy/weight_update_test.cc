@@ -446,6 +446,83 @@ TEST_F(WeightUpdateStagingTest, RandomDTypesAndChunkOrdersStageTheExactFp32Value
   }
 }
 
+/// Records a staging's observer calls; OnStaged copies the values it is shown.
+class RecordingObserver : public StagingObserver {
+ public:
+  void OnBegin(uint64_t transaction_id, const std::vector<size_t>& manifest_params) override {
+    events.push_back("begin");
+    begun_id = transaction_id;
+    named = manifest_params;
+  }
+  void OnStaged(size_t index, const float* values) override {
+    events.push_back("staged");
+    staged[index].assign(values, values + Numel(params->at(index).shape));
+  }
+  void OnVerified() override { events.push_back("verified"); }
+  void OnEnd() override { events.push_back("end"); }
+
+  const std::vector<ParamSpec>* params = nullptr;
+  std::vector<std::string> events;
+  uint64_t begun_id = 0;
+  std::vector<size_t> named;
+  std::map<size_t, std::vector<float>> staged;
+};
+
+TEST_F(WeightUpdateStagingTest, ObserverSeesEachTensorsFinalFp32ValuesWhenItsLastByteArrives) {
+  RecordingObserver observer;
+  observer.params = &staging_.params();
+  staging_.SetObserver(&observer);
+  for (PolicyVersion version = 1; version <= 3; ++version) {
+    observer.events.clear();
+    observer.staged.clear();
+    // Every dtype; chunks of all tensors shuffled together: a tensor is reported when its last
+    // missing chunk arrives, whatever the order.
+    const std::vector<SourceTensor> sources = RandomSources(staging_.params(), rng_);
+    ASSERT_TRUE(staging_.Begin(ManifestFor(version, sources), version - 1).ok());
+    EXPECT_NE(staging_.transaction_id(), 0u);
+    EXPECT_EQ(observer.begun_id, staging_.transaction_id());
+    std::vector<size_t> all(staging_.params().size());
+    for (size_t i = 0; i < all.size(); ++i) all[i] = i;
+    EXPECT_EQ(observer.named, all);
+    std::vector<Chunk> chunks = RandomChunks(sources, rng_, 40);
+    std::map<std::string, uint64_t> remaining;
+    for (const SourceTensor& s : sources) remaining[s.name] = s.bytes.size();
+    for (const Chunk& c : chunks) {
+      const size_t before = observer.staged.size();
+      ASSERT_TRUE(staging_.Write(c.source->name, c.offset, c.source->bytes.data() + c.offset, c.num_bytes).ok());
+      remaining[c.source->name] -= c.num_bytes;
+      EXPECT_EQ(observer.staged.size(), before + (remaining[c.source->name] == 0 ? 1 : 0)) << c.source->name;
+    }
+    ASSERT_EQ(observer.staged.size(), sources.size());
+    for (size_t i = 0; i < sources.size(); ++i) {
+      ASSERT_EQ(observer.staged[i].size(), sources[i].expected.size());
+      for (size_t j = 0; j < sources[i].expected.size(); ++j) {
+        ASSERT_TRUE(SameFloat(observer.staged[i][j], sources[i].expected[j]))
+            << sources[i].name << "[" << j << "] (" << DTypeName(sources[i].dtype) << ")";
+      }
+    }
+    EXPECT_EQ(observer.events.back(), "staged");
+    ASSERT_TRUE(staging_.Verify().ok());
+    EXPECT_EQ(observer.events.back(), "verified");
+    ASSERT_NO_FATAL_FAILURE(ExpectVerifiedEquals(staging_, sources));  // conversion moved, result unchanged
+    staging_.Finish();
+    EXPECT_EQ(observer.events.back(), "end");
+    EXPECT_EQ(staging_.transaction_id(), 0u);
+  }
+  // A failed Verify reports no OnVerified; the abort ends the transaction.
+  observer.events.clear();
+  std::vector<SourceTensor> sources = RandomSources(staging_.params(), rng_);
+  UpdateManifest manifest = ManifestFor(4, sources);
+  manifest.tensors[0].checksum ^= 1;
+  ASSERT_TRUE(staging_.Begin(manifest, 3).ok());
+  ASSERT_NO_FATAL_FAILURE(WriteAll(staging_, RandomChunks(sources, rng_, 40)));
+  EXPECT_FALSE(staging_.Verify().ok());
+  EXPECT_EQ(observer.events.back(), "staged");
+  staging_.Abort();
+  EXPECT_EQ(observer.events.back(), "end");
+  staging_.SetObserver(nullptr);
+}
+
 TEST_F(WeightUpdateStagingTest, VersionNotGreaterThanCurrentIsRefusedAtBegin) {
   const std::vector<SourceTensor> sources = RandomSources(staging_.params(), rng_);
   for (PolicyVersion stale : {PolicyVersion{7}, PolicyVersion{3}, PolicyVersion{0}}) {
