@@ -61,11 +61,16 @@ void EnsureFastBlas(int argc, char** argv) {
     setenv("OPENBLAS_CORETYPE", core, 1);
     changed = true;
   }
-  if (std::getenv("OMP_WAIT_POLICY") == nullptr) {
-    // Idle OpenMP workers sleep instead of spinning: a rollout worker shares its cores with a
-    // trainer or other workers, and spinning threads then starve the ones doing work (measured
-    // on 2 busy cores: 6x slower decoding with the default spin).
-    setenv("OMP_WAIT_POLICY", "PASSIVE", 1);
+  if (std::getenv("OMP_WAIT_POLICY") == nullptr && std::getenv("GOMP_SPINCOUNT") == nullptr) {
+    // A forward pass opens ~10 parallel regions per layer. A worker that sleeps between them
+    // (PASSIVE) must be woken through a futex each time: ~70 us per region measured on this
+    // 2-core VM, a quarter of a decode step. A worker that spins forever (ACTIVE alone, or
+    // libgomp's default of ~3 ms) starves a trainer or another worker sharing the cores (measured
+    // on 2 busy cores: 6x slower decoding with the default spin). So: spin briefly, then sleep.
+    // GOMP_SPINCOUNT=3000 is ~0.1 ms of spinning after a region (~5 us per region), and libgomp
+    // cuts it to 1000 when it manages more threads than there are cores.
+    setenv("OMP_WAIT_POLICY", "ACTIVE", 1);
+    setenv("GOMP_SPINCOUNT", "3000", 1);
     changed = true;
   }
   if (!changed) return;

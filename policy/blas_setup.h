@@ -14,8 +14,10 @@ namespace vroll {
 
 /// Call first thing in main(). If OPENBLAS_CORETYPE is unset and the CPU supports AVX-512
 /// (F, BW, VL, DQ, CD) or AVX2+FMA, sets OPENBLAS_CORETYPE to SkylakeX or Haswell; if
-/// OMP_WAIT_POLICY is unset, sets it to PASSIVE (idle OpenMP threads sleep rather than spin,
-/// since a worker shares its cores with a trainer); then re-executes /proc/self/exe with the
+/// neither OMP_WAIT_POLICY nor GOMP_SPINCOUNT is set, sets OMP_WAIT_POLICY=ACTIVE and
+/// GOMP_SPINCOUNT=3000 (idle OpenMP threads spin ~0.1 ms, then sleep: waking a sleeping thread
+/// costs ~70 us per parallel region, spinning for long starves a trainer sharing the cores);
+/// then re-executes /proc/self/exe with the
 /// same argv (once: VROLL_BLAS_REEXEC marks the second run). Values set by the user are kept.
 /// Also tells glibc malloc to keep freed blocks of up to 64 MiB (M_MMAP_THRESHOLD,
 /// M_TRIM_THRESHOLD), so that per-step tensors reuse memory instead of faulting in fresh pages. VROLL_BLAS_CORETYPE=auto|none|<name> overrides the choice ("none":
