@@ -2,7 +2,8 @@
 // the generation stall an update causes. Prints markdown tables to stdout (logs: stderr).
 //
 //   vroll_update_bench [--sizes 60,440] [--transports tcp,ipc] [--reps 5] [--updates 5]
-//                      [--chunk-mb 16] [--mode drain] [--no-stall] [--no-swap] [--verbose] [--quick]
+//                      [--chunk-mb 16] [--mode drain] [--no-stall] [--no-swap] [--no-prepack] [--verbose]
+//                      [--quick]
 //
 // For each model size (a random Llama, vocab 32000, whose fp32 weights are ~60 MiB / ~440 MiB)
 // and each transport (tcp://127.0.0.1:* or a unique ipc:// path), in one process (worker =
@@ -11,7 +12,8 @@
 //  1. Throughput, engine idle. `update` = bytes / seconds from the first update_chunk sent to the
 //     `applied` acknowledgement (PushTimings send_ms + commit_ms: transfer, the worker's staging
 //     copy with its checksums computed as chunks arrive, Verify, the engine's apply: a buffer
-//     swap, or with --no-swap a copy into the model); the begin round trip
+//     swap, or with --no-swap a copy into the model; the GEMM weights are packed on the worker's
+//     transport thread as tensors arrive, or with --no-prepack repacked in the apply); the begin round trip
 //     and the client's manifest checksums are outside it (`PushWeights call` times the whole
 //     call). `raw ZeroMQ` = the same frames (the same msgpack header, then the tensor bytes,
 //     `--chunk-mb` per frame) sent DEALER -> ROUTER on a fresh socket pair, the receiver
@@ -301,6 +303,7 @@ struct Options {
   bool stall = true;     ///< false: throughput only (for profiling the transfer path)
   bool verbose = false;  ///< per-push timings on stderr
   bool swap = true;      ///< EngineConfig::swap_weight_buffers
+  bool prepack = true;   ///< EngineConfig::prepack_weights
 };
 
 struct Row {
@@ -330,6 +333,7 @@ Row RunCell(const vroll::policy::Checkpoint& ckpt, const std::string& transport_
   engine_config.kv_cache_bytes = int64_t{64} << 20;
   engine_config.max_num_seqs = 64;
   engine_config.swap_weight_buffers = opt.swap;
+  engine_config.prepack_weights = opt.prepack;
   Engine engine(ckpt, engine_config);
   engine.Start();
   transport::WorkerConfig worker_config;
@@ -453,7 +457,7 @@ int main(int argc, char** argv) {
   std::string sizes_arg = "60,440", transports_arg = "tcp,ipc", mode_name = "drain";
   Options opt;
   int chunk_mb = 16;
-  bool quick = false, no_stall = false, no_swap = false;
+  bool quick = false, no_stall = false, no_swap = false, no_prepack = false;
   CLI::App app{"vroll weight-update benchmark: update throughput vs raw ZeroMQ, and generation stall"};
   app.add_option("--sizes", sizes_arg, "model sizes, MiB of fp32 weights (comma-separated)")->capture_default_str();
   app.add_option("--transports", transports_arg, "tcp and/or ipc (comma-separated)")->capture_default_str();
@@ -467,6 +471,8 @@ int main(int argc, char** argv) {
   app.add_flag("--verbose", opt.verbose, "per-push timings on stderr");
   app.add_flag("--no-stall", no_stall, "throughput only (no generation, no stall columns)");
   app.add_flag("--no-swap", no_swap, "apply updates by copying into the model, not by swapping buffers");
+  app.add_flag("--no-prepack", no_prepack,
+               "repack the GEMM weights at the engine's safe point instead of while the update is staged");
   app.add_flag("--quick", quick, "smoke run: the 60 MiB model, 1 rep, 2 updates");
   CLI11_PARSE(app, argc, argv);
   const std::optional<InFlightMode> mode = vroll::rollout::ParseInFlightMode(mode_name);
@@ -477,6 +483,7 @@ int main(int argc, char** argv) {
   opt.mode = *mode;
   opt.stall = !no_stall;
   opt.swap = !no_swap;
+  opt.prepack = !no_prepack;
   opt.chunk_bytes = static_cast<size_t>(chunk_mb) << 20;
   if (quick) {
     sizes_arg = "60";
@@ -496,9 +503,10 @@ int main(int argc, char** argv) {
   std::printf("\n## Weight updates: throughput vs raw ZeroMQ (engine idle), stall under generation\n\n");
   std::printf(
       "chunk %d MiB; %d run(s) per cell (medians); %d updates (mode %s) while a client keeps %d requests "
-      "in flight; apply by %s\n\n",
+      "in flight; apply by %s%s\n\n",
       chunk_mb, opt.reps, opt.num_updates, vroll::rollout::InFlightModeName(opt.mode), opt.num_in_flight,
-      opt.swap ? "buffer swap" : "copy");
+      opt.swap ? "buffer swap" : "copy",
+      opt.swap && opt.prepack ? ", GEMM weights packed while staged" : ", GEMM weights repacked in the apply");
   std::printf(
       "| transport | size MiB | update MiB/s | raw ZeroMQ MiB/s | ratio | raw, copying send MiB/s | PushWeights "
       "call MiB/s | stall_ms p50 / max | client gap ms p50 / max | steady gap ms p50 / max | wait_ms p50 / max "

@@ -68,7 +68,8 @@ Engine::Engine(const policy::Checkpoint& checkpoint, const EngineConfig& config)
   const int num_blocks = static_cast<int>(std::min<int64_t>(num_blocks64, 1 << 30));
   runner_ = std::make_unique<ModelRunner>(
       checkpoint, ModelRunnerConfig{num_blocks, config_.block_size, config_.check_block_versions,
-                                    config_.batch_invariant, config_.swap_weight_buffers});
+                                    config_.batch_invariant, config_.swap_weight_buffers,
+                                    config_.prepack_weights});
   spare_buffers_ = runner_->StagingBuffers();
   cache::KvCacheConfig kv_config;
   kv_config.num_blocks = num_blocks;

@@ -48,6 +48,8 @@ struct EngineConfig {
   /// drops to microseconds, for one spare copy of the weights and one of the packed GEMM
   /// weights, allocated at construction.
   bool swap_weight_buffers = true;
+  /// See ModelRunnerConfig::prepack_weights (off: the safe point repacks every update).
+  bool prepack_weights = true;
 
   /// Throws policy::ConfigError naming the field.
   void Validate() const;

@@ -147,6 +147,7 @@ ModelRunner::ModelRunner(const policy::Checkpoint& checkpoint, const ModelRunner
   // Prepacking: every usable group, packed too when it is the storage of a packed GEMM weight.
   m.group_packed.assign(m.groups.size(), -1);
   m.spare_packed.resize(m.groups.size());
+  if (!config.prepack_weights) return;
   const std::vector<at::Tensor> packed_sources = m.model.PackedWeightSources();
   std::vector<policy::PrepackGroup> prepack;
   for (size_t g = 0; g < m.groups.size(); ++g) {

@@ -30,6 +30,10 @@ struct ModelRunnerConfig {
   /// weights plus one packed copy of the GEMM weights (about the same size again), allocated
   /// at construction (what a staging would allocate at the first update anyway).
   bool swap_weight_buffers = true;
+  /// With swap_weight_buffers: pack updates off the engine thread (staging_observer()). Off, no
+  /// spare packed buffers are kept and every update is repacked in ApplyWeights (the stall grows
+  /// by ~1 pass over the GEMM weights).
+  bool prepack_weights = true;
 };
 
 /// Not thread-safe: the engine thread owns it.
