@@ -209,121 +209,213 @@ void AttendRow(const float* q, int group, int head_dim, int num_keys, int block_
 
 namespace {
 
-/// All heads of one query row, head_dim kD a multiple of 16. Keys are visited 16 at a time with
-/// every head inside, so all cache lines of those keys are requested together (the kernel is
-/// bound by reading the KV blocks from memory; this keeps many reads in flight).
+/// s[j] = exp(s[j] - max_j s[j]) / sum for j < n (softmax in place), vector max and sum.
+inline void SoftmaxInPlace(float* s, int n) {
+  Vec mv = Vec{} - __builtin_inff();
+  int j = 0;
+  for (; j + 16 <= n; j += 16) {
+    const Vec x = Load(s + j);
+    mv = x > mv ? x : mv;
+  }
+  float max_s = -__builtin_inff();
+  for (int l = 0; l < 16; ++l) max_s = std::max(max_s, mv[l]);
+  for (; j < n; ++j) max_s = std::max(max_s, s[j]);
+  float sum = 0;
+#pragma omp simd reduction(+ : sum)
+  for (int i = 0; i < n; ++i) {
+    s[i] = std::exp(s[i] - max_s);
+    sum += s[i];
+  }
+  const float inv = 1.0f / sum;
+#pragma omp simd
+  for (int i = 0; i < n; ++i) s[i] *= inv;
+}
+
+/// Scores of keys [j0, j0 + 16) of one row, every head: sc[h * ld + j] = scale * q[h] . k_j
+/// (keys of all heads read together, 16 at a time; kD a multiple of 16).
 template <int kD>
-__attribute__((always_inline)) inline void AttendTokenImpl(const float* q, int n_kv, int group, int num_keys,
-                                                           int block_size, const int32_t* table, const float* k_base,
-                                                           const float* v_base, int64_t block_stride,
-                                                           int64_t token_stride, float scale, float* scores,
-                                                           float* out) {
+__attribute__((always_inline)) inline void ScoreChunk(const float* q, int n_heads, int group, int j0, int num_keys,
+                                                      int block_size, const int32_t* table, const float* k_base,
+                                                      int64_t block_stride, int64_t token_stride, float scale,
+                                                      float* sc, int64_t ld) {
   constexpr int kChunks = kD / 16;
-  const int n_heads = n_kv * group;
-  for (int j0 = 0; j0 < num_keys; j0 += 16) {
-    const int n = std::min(16, num_keys - j0);
-    const float* kp[16];
-    if (block_size % 16 == 0) {  // the 16 keys lie in one block (j0 is a multiple of 16): no divisions
-      const float* base = k_base + table[j0 / block_size] * block_stride + (j0 % block_size) * token_stride;
-      for (int i = 0; i < 16; ++i) kp[i] = base + (i < n ? i : 0) * token_stride;
-    } else {
-      for (int i = 0; i < 16; ++i) {
-        const int j = j0 + (i < n ? i : 0);
-        kp[i] = k_base + table[j / block_size] * block_stride + (j % block_size) * token_stride;
-      }
-    }
-    for (int h = 0; h < n_heads; ++h) {
-      const int64_t off = int64_t{h / group} * kD;
-      Vec qv[kChunks];
-      for (int c = 0; c < kChunks; ++c) qv[c] = Load(q + h * kD + 16 * c);
-      Vec acc[16];
-#pragma GCC unroll 16
-      for (int i = 0; i < 16; ++i) {
-        Vec a = qv[0] * Load(kp[i] + off);
-        for (int c = 1; c < kChunks; ++c) a += qv[c] * Load(kp[i] + off + 16 * c);
-        acc[i] = a;
-      }
-      Vec a8[8], a4[4], a2[2];
-      for (int i = 0; i < 8; ++i) a8[i] = Fold8(acc[2 * i], acc[2 * i + 1]);
-      for (int i = 0; i < 4; ++i) a4[i] = Fold4(a8[2 * i], a8[2 * i + 1]);
-      for (int i = 0; i < 2; ++i) a2[i] = Fold2(a4[2 * i], a4[2 * i + 1]);
-      const Vec r = Fold1(a2[0], a2[1]) * scale;
-      float lanes[16];
-      std::memcpy(lanes, &r, sizeof(r));
-      float* sc = scores + int64_t{h} * num_keys + j0;
-      for (int i = 0; i < n; ++i) sc[i] = lanes[kLane[i]];
+  const int n = std::min(16, num_keys - j0);
+  const float* kp[16];
+  if (block_size % 16 == 0) {  // the 16 keys lie in one block (j0 is a multiple of 16): no divisions
+    const float* base = k_base + table[j0 / block_size] * block_stride + (j0 % block_size) * token_stride;
+    for (int i = 0; i < 16; ++i) kp[i] = base + (i < n ? i : 0) * token_stride;
+  } else {
+    for (int i = 0; i < 16; ++i) {
+      const int j = j0 + (i < n ? i : 0);
+      kp[i] = k_base + table[j / block_size] * block_stride + (j % block_size) * token_stride;
     }
   }
   for (int h = 0; h < n_heads; ++h) {
-    float* sc = scores + int64_t{h} * num_keys;
-    float max_s = sc[0];
-#pragma omp simd reduction(max : max_s)
-    for (int j = 1; j < num_keys; ++j) max_s = std::max(max_s, sc[j]);
-    float sum = 0;
-#pragma omp simd reduction(+ : sum)
-    for (int j = 0; j < num_keys; ++j) {
-      sc[j] = std::exp(sc[j] - max_s);
-      sum += sc[j];
+    const int64_t off = int64_t{h / group} * kD;
+    Vec qv[kChunks];
+    for (int c = 0; c < kChunks; ++c) qv[c] = Load(q + h * kD + 16 * c);
+    Vec acc[16];
+#pragma GCC unroll 16
+    for (int i = 0; i < 16; ++i) {
+      Vec a = qv[0] * Load(kp[i] + off);
+      for (int c = 1; c < kChunks; ++c) a += qv[c] * Load(kp[i] + off + 16 * c);
+      acc[i] = a;
     }
-    const float inv = 1.0f / sum;
-#pragma omp simd
-    for (int j = 0; j < num_keys; ++j) sc[j] *= inv;
+    Vec a8[8], a4[4], a2[2];
+    for (int i = 0; i < 8; ++i) a8[i] = Fold8(acc[2 * i], acc[2 * i + 1]);
+    for (int i = 0; i < 4; ++i) a4[i] = Fold4(a8[2 * i], a8[2 * i + 1]);
+    for (int i = 0; i < 2; ++i) a2[i] = Fold2(a4[2 * i], a4[2 * i + 1]);
+    const Vec r = Fold1(a2[0], a2[1]) * scale;
+    float lanes[16];
+    std::memcpy(lanes, &r, sizeof(r));
+    float* s = sc + h * ld + j0;
+    for (int i = 0; i < n; ++i) s[i] = lanes[kLane[i]];
   }
-  std::memset(out, 0, sizeof(float) * n_heads * kD);
-  for (int j0 = 0, b = 0; j0 < num_keys; j0 += block_size, ++b) {
-    const int n = std::min(block_size, num_keys - j0);
-    const float* vb = v_base + table[b] * block_stride;
-    for (int h = 0; h < n_heads; ++h) {
-      const int64_t off = int64_t{h / group} * kD;
-      const float* w = scores + int64_t{h} * num_keys + j0;
-      Vec acc0[kChunks] = {}, acc1[kChunks] = {};
-      int j = 0;
-      for (; j + 2 <= n; j += 2) {
-        const float* v0 = vb + j * token_stride + off;
-        const float* v1 = v0 + token_stride;
-        for (int c = 0; c < kChunks; ++c) {
-          acc0[c] += w[j] * Load(v0 + 16 * c);
-          acc1[c] += w[j + 1] * Load(v1 + 16 * c);
-        }
-      }
-      if (j < n) {
-        const float* v0 = vb + j * token_stride + off;
-        for (int c = 0; c < kChunks; ++c) acc0[c] += w[j] * Load(v0 + 16 * c);
-      }
-      float* o = out + int64_t{h} * kD;
-      for (int c = 0; c < kChunks; ++c) {
-        const Vec r = Load(o + 16 * c) + (acc0[c] + acc1[c]);
-        std::memcpy(o + 16 * c, &r, sizeof(r));
-      }
+}
+
+/// out[h] (+)= sum_{j in block b} p[h][j] * v_j[h] for the H heads h0 .. h0 + H - 1: H * kD / 16
+/// vector accumulators in registers, keys in order. The first block starts from zero, later ones
+/// continue from `out` (a float stored and reloaded keeps its value), so each output element is
+/// one in-order chain over the keys however blocks of different rows are interleaved.
+template <int kD, int H>
+__attribute__((always_inline)) inline void PvBlockHeads(int h0, int group, int b, int num_keys, int block_size,
+                                                        const int32_t* table, const float* v_base,
+                                                        int64_t block_stride, int64_t token_stride, const float* p,
+                                                        int64_t ld, float* out) {
+  constexpr int kChunks = kD / 16;
+  Vec acc[H * kChunks];
+  for (int i = 0; i < H; ++i) {
+    for (int c = 0; c < kChunks; ++c) acc[i * kChunks + c] = b == 0 ? Vec{} : Load(out + (h0 + i) * kD + 16 * c);
+  }
+  int64_t off[H];
+  for (int i = 0; i < H; ++i) off[i] = int64_t{(h0 + i) / group} * kD;
+  const int j0 = b * block_size, n = std::min(block_size, num_keys - j0);
+  const float* vb = v_base + table[b] * block_stride;
+  for (int j = 0; j < n; ++j) {
+    const float* vj = vb + j * token_stride;
+#pragma GCC unroll 16
+    for (int i = 0; i < H; ++i) {
+      const float w = p[(h0 + i) * ld + j0 + j];
+#pragma GCC unroll 8
+      for (int c = 0; c < kChunks; ++c) acc[i * kChunks + c] += w * Load(vj + off[i] + 16 * c);
     }
   }
+  for (int i = 0; i < H; ++i) {
+    for (int c = 0; c < kChunks; ++c) std::memcpy(out + (h0 + i) * kD + 16 * c, &acc[i * kChunks + c], sizeof(Vec));
+  }
+}
+
+/// p.v of block b of one row, every head (heads in groups whose accumulators fit in registers).
+template <int kD>
+__attribute__((always_inline)) inline void PvBlock(int n_heads, int group, int b, int num_keys, int block_size,
+                                                   const int32_t* table, const float* v_base, int64_t block_stride,
+                                                   int64_t token_stride, const float* p, int64_t ld, float* out) {
+  constexpr int kChunks = kD / 16;
+  constexpr int kGroupMax = kChunks >= 16 ? 1 : 16 / kChunks;
+  const int num_groups = (n_heads + kGroupMax - 1) / kGroupMax;
+  for (int gi = 0, h0 = 0; gi < num_groups; ++gi) {
+    const int size = n_heads / num_groups + (gi < n_heads % num_groups ? 1 : 0);
+    switch (size) {
+#define VROLL_PV(H)                                                                                                \
+  case H:                                                                                                          \
+    if constexpr (H <= kGroupMax) {                                                                                \
+      PvBlockHeads<kD, H>(h0, group, b, num_keys, block_size, table, v_base, block_stride, token_stride, p, ld, out); \
+    }                                                                                                              \
+    break;
+      VROLL_PV(1) VROLL_PV(2) VROLL_PV(3) VROLL_PV(4) VROLL_PV(5) VROLL_PV(6) VROLL_PV(7) VROLL_PV(8)
+      VROLL_PV(9) VROLL_PV(10) VROLL_PV(11) VROLL_PV(12) VROLL_PV(13) VROLL_PV(14) VROLL_PV(15) VROLL_PV(16)
+#undef VROLL_PV
+      default: break;
+    }
+    h0 += size;
+  }
+}
+
+/// AttendTokens for head_dim kD, a multiple of 16: the shared keys are visited chunk by chunk
+/// (block by block) with every row inside, so each shared chunk is read from memory once and
+/// then from L1 for the other rows; the rest row by row. Per row the arithmetic is the same
+/// sequence of operations as for that row alone.
+template <int kD>
+__attribute__((always_inline)) inline void AttendTokensImpl(const TokenRow* rows, int num_rows, int shared_keys,
+                                                            int n_kv, int group, int block_size, const float* k_base,
+                                                            const float* v_base, int64_t block_stride,
+                                                            int64_t token_stride, float scale, float* scores) {
+  const int n_heads = n_kv * group;
+  int max_keys = 0;
+  for (int r = 0; r < num_rows; ++r) max_keys = std::max(max_keys, rows[r].num_keys);
+  const int64_t ld = max_keys, row_scores = int64_t{n_heads} * max_keys;
+  // (No lambdas here: a lambda is a function of its own, compiled for the baseline ISA rather
+  // than this clone's, unless inlined.)
+#define VROLL_SCORE(r, j0)                                                                                     \
+  ScoreChunk<kD>(rows[r].q, n_heads, group, j0, rows[r].num_keys, block_size, rows[r].table, k_base, block_stride, \
+                 token_stride, scale, scores + (r) * row_scores, ld)
+#define VROLL_PV_BLOCK(r, b)                                                                                      \
+  PvBlock<kD>(n_heads, group, b, rows[r].num_keys, block_size, rows[r].table, v_base, block_stride, token_stride, \
+              scores + (r) * row_scores, ld, rows[r].out)
+  for (int j0 = 0; j0 < shared_keys; j0 += 16) {
+    for (int r = 0; r < num_rows; ++r) VROLL_SCORE(r, j0);
+  }
+  for (int r = 0; r < num_rows; ++r) {
+    for (int j0 = shared_keys; j0 < rows[r].num_keys; j0 += 16) VROLL_SCORE(r, j0);
+    for (int h = 0; h < n_heads; ++h) SoftmaxInPlace(scores + r * row_scores + h * ld, rows[r].num_keys);
+  }
+  const int shared_blocks = shared_keys / block_size;
+  for (int b = 0; b < shared_blocks; ++b) {
+    for (int r = 0; r < num_rows; ++r) VROLL_PV_BLOCK(r, b);
+  }
+  for (int r = 0; r < num_rows; ++r) {
+    const int num_blocks = (rows[r].num_keys + block_size - 1) / block_size;
+    for (int b = shared_blocks; b < num_blocks; ++b) VROLL_PV_BLOCK(r, b);
+  }
+#undef VROLL_SCORE
+#undef VROLL_PV_BLOCK
 }
 
 }  // namespace
 
+int64_t AttendTokensScratch(int num_rows, int n_heads, int max_keys) {
+  return int64_t{num_rows} * n_heads * max_keys + 16;
+}
+
 __attribute__((target_clones("avx512f", "fma", "default")))
+void AttendTokens(const TokenRow* rows, int num_rows, int shared_keys, int n_kv, int group, int head_dim,
+                  int block_size, const float* k_base, const float* v_base, int64_t block_stride,
+                  int64_t token_stride, float scale, float* scores) {
+  // The shared part must be whole chunks of 16 keys and whole blocks, below every row's length.
+  for (int r = 0; r < num_rows; ++r) shared_keys = std::min(shared_keys, rows[r].num_keys);
+  shared_keys = std::max(0, shared_keys);
+  const int unit = block_size % 16 == 0 ? block_size : 0;
+  shared_keys = unit > 0 ? shared_keys / unit * unit : 0;
+#define VROLL_ATTEND_TOKENS(D)                                                                                 \
+  return AttendTokensImpl<D>(rows, num_rows, shared_keys, n_kv, group, block_size, k_base, v_base, block_stride, \
+                             token_stride, scale, scores)
+  switch (head_dim) {
+    case 16: VROLL_ATTEND_TOKENS(16);
+    case 32: VROLL_ATTEND_TOKENS(32);
+    case 48: VROLL_ATTEND_TOKENS(48);
+    case 64: VROLL_ATTEND_TOKENS(64);
+    case 80: VROLL_ATTEND_TOKENS(80);
+    case 96: VROLL_ATTEND_TOKENS(96);
+    case 128: VROLL_ATTEND_TOKENS(128);
+    default:
+      for (int r = 0; r < num_rows; ++r) {
+        for (int kv = 0; kv < n_kv; ++kv) {
+          const int64_t head_offset = int64_t{kv} * group * head_dim;
+          AttendRow(rows[r].q + head_offset, group, head_dim, rows[r].num_keys, block_size, rows[r].table,
+                    k_base + int64_t{kv} * head_dim, v_base + int64_t{kv} * head_dim, block_stride, token_stride,
+                    scale, scores, rows[r].out + head_offset);
+        }
+      }
+  }
+#undef VROLL_ATTEND_TOKENS
+}
+
 void AttendToken(const float* q, int n_kv, int group, int head_dim, int num_keys, int block_size,
                  const int32_t* table, const float* k_base, const float* v_base, int64_t block_stride,
                  int64_t token_stride, float scale, float* scores, float* out) {
-#define VROLL_ATTEND_TOKEN(D)                                                                               \
-  return AttendTokenImpl<D>(q, n_kv, group, num_keys, block_size, table, k_base, v_base, block_stride,     \
-                            token_stride, scale, scores, out)
-  switch (head_dim) {
-    case 16: VROLL_ATTEND_TOKEN(16);
-    case 32: VROLL_ATTEND_TOKEN(32);
-    case 48: VROLL_ATTEND_TOKEN(48);
-    case 64: VROLL_ATTEND_TOKEN(64);
-    case 80: VROLL_ATTEND_TOKEN(80);
-    case 96: VROLL_ATTEND_TOKEN(96);
-    case 128: VROLL_ATTEND_TOKEN(128);
-    default:
-      for (int kv = 0; kv < n_kv; ++kv) {
-        const int64_t head_offset = int64_t{kv} * group * head_dim;
-        AttendRow(q + head_offset, group, head_dim, num_keys, block_size, table, k_base + int64_t{kv} * head_dim,
-                  v_base + int64_t{kv} * head_dim, block_stride, token_stride, scale, scores, out + head_offset);
-      }
-  }
-#undef VROLL_ATTEND_TOKEN
+  const TokenRow row{q, out, table, num_keys};
+  AttendTokens(&row, 1, 0, n_kv, group, head_dim, block_size, k_base, v_base, block_stride, token_stride, scale,
+               scores);
 }
 
 }  // namespace vroll::cache::kernels

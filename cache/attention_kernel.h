@@ -1,6 +1,6 @@
 #pragma once
-// The paged attention kernel for one query row (no LibTorch; PagedKvCache::Attend calls it per
-// (token row, kv head) in parallel). Compiled for AVX-512, AVX+FMA and baseline x86-64.
+// The paged attention kernels (no LibTorch; PagedKvCache::Attend calls AttendTokens per group of
+// rows in parallel). Compiled for AVX-512, AVX+FMA and baseline x86-64.
 
 #include <cstdint>
 
@@ -19,12 +19,38 @@ void AttendRow(const float* q, int group, int head_dim, int num_keys, int block_
                const float* k_base, const float* v_base, int64_t block_stride, int64_t token_stride, float scale,
                float* scores, float* out);
 
-/// Every head of one query row: q and out [n_kv * group, head_dim], the group query heads of kv
-/// head g being g * group .. g * group + group - 1; keys/values of all kv heads of position j
-/// at {k,v}_base + table[j / block_size] * block_stride + (j % block_size) * token_stride
-/// (token_stride >= n_kv * head_dim). scores: scratch of n_kv * group * num_keys floats.
-/// Same formula as AttendRow; for head sizes that are multiples of 16 the keys of all heads are
-/// read together (the kernel is memory-bound on the KV blocks).
+/// One query row of AttendTokens: q and out [n_kv * group, head_dim] (the group query heads of
+/// kv head g are g * group .. g * group + group - 1); the row attends to key positions
+/// [0, num_keys) through its block table.
+struct TokenRow {
+  const float* q;
+  float* out;
+  const int32_t* table;
+  int num_keys;
+};
+
+/// Floats of `scores` scratch AttendTokens needs for num_rows rows of up to max_keys keys.
+int64_t AttendTokensScratch(int num_rows, int n_heads, int max_keys);
+
+/// Causal attention of every head of `num_rows` query rows (same formula as AttendRow). Keys and
+/// values of all kv heads of position j of a row sit at
+/// {k,v}_base + table[j / block_size] * block_stride + (j % block_size) * token_stride
+/// (token_stride >= n_kv * head_dim). The rows' first `shared_keys` positions must be the same
+/// blocks (a GRPO group's prompt, the rows of one sequence's prefill chunk): for head sizes that
+/// are multiples of 16 and block sizes that are multiples of 16, those blocks are visited once
+/// with every row inside (read from memory once, then from L1), the rest row by row;
+/// `shared_keys` is rounded down to whole blocks and to the shortest row. Each row's output is
+/// bit for bit what it would be alone (the same operations in the same order; only rows are
+/// interleaved), so grouping rows never breaks batch invariance.
+/// Scores for head sizes that are multiples of 16 are computed 16 keys at a time with all heads
+/// (vector partial sums, then a fixed transpose-reduce tree); p.v keeps groups of heads' output
+/// rows in registers while it walks a block's values in memory order.
+/// scores: scratch of AttendTokensScratch(num_rows, n_kv * group, max num_keys) floats.
+void AttendTokens(const TokenRow* rows, int num_rows, int shared_keys, int n_kv, int group, int head_dim,
+                  int block_size, const float* k_base, const float* v_base, int64_t block_stride,
+                  int64_t token_stride, float scale, float* scores);
+
+/// AttendTokens of one row (no shared keys). scores: n_kv * group * num_keys floats at least.
 void AttendToken(const float* q, int n_kv, int group, int head_dim, int num_keys, int block_size,
                  const int32_t* table, const float* k_base, const float* v_base, int64_t block_stride,
                  int64_t token_stride, float scale, float* scores, float* out);

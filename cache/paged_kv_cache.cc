@@ -123,30 +123,61 @@ at::Tensor PagedKvCache::Attend(int layer, const at::Tensor& q, const at::Tensor
     }
   }
 
-  // 2. Attention, one work item per token row (all its heads).
+  // 2. Attention. Rows that start with the same blocks (the samples of a GRPO group over their
+  // prompt, the rows of one sequence's prefill chunk) form one work item, so that AttendTokens
+  // reads those blocks once for all of them; other rows are items of their own. Rows are
+  // independent (each writes its own output row), so grouping them never changes a result.
   at::Tensor out = at::empty({num_tokens, n_heads, head_dim}, at::kFloat);
   float* out_ptr = out.data_ptr<float>();
   const float* q_ptr = q.data_ptr<float>();
   const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
-  // Small steps run on the calling thread: waking a worker costs more than their attention.
+  std::vector<kernels::TokenRow> rows(num_tokens);
   int64_t work = 0;  // multiply-adds of q.k and p.v
-  for (size_t s = 0; s < layout_.context_lens.size(); ++s) {
-    work += int64_t{layout_.query_start[s + 1] - layout_.query_start[s]} * layout_.context_lens[s];
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    const int32_t s = row_seq_[t];
+    const int32_t n_new = layout_.query_start[s + 1] - layout_.query_start[s];
+    const int32_t p = layout_.context_lens[s] - n_new + static_cast<int32_t>(t - layout_.query_start[s]);
+    rows[t] = {q_ptr + t * n_heads * head_dim, out_ptr + t * n_heads * head_dim, ids + layout_.block_table_start[s],
+               p + 1};
+    work += p + 1;
   }
   work *= int64_t{2} * n_heads * head_dim;
-  const int64_t grain = work < (int64_t{1} << 20) ? num_tokens : 1;
-  at::parallel_for(0, num_tokens, grain, [&](int64_t begin, int64_t end) {
+  // Rows by first block (stable: the samples of a group are not adjacent in the batch: forks
+  // join the running list after the sequences already there), then runs of up to
+  // kMaxGroupRows rows sharing at least one chunk of 16 keys with the run's first row.
+  std::stable_sort(rows.begin(), rows.end(), [](const kernels::TokenRow& a, const kernels::TokenRow& b) {
+    return a.table[0] < b.table[0];
+  });
+  constexpr int kMaxGroupRows = 16;
+  std::vector<int64_t> group_start = {0};
+  std::vector<int32_t> group_shared;  // shared keys of each group
+  for (int64_t t = 0; t < num_tokens;) {
+    int64_t end = t + 1;
+    int32_t shared = rows[t].num_keys;
+    while (end < num_tokens && end - t < kMaxGroupRows) {
+      int32_t common = 0;  // leading block ids in common with the group's first row
+      const int32_t limit = std::min(shared, rows[end].num_keys) / block_size_;
+      while (common < limit && rows[end].table[common] == rows[t].table[common]) ++common;
+      if (common * block_size_ < std::max(16, block_size_)) break;
+      shared = common * block_size_;
+      ++end;
+    }
+    group_start.push_back(end);
+    group_shared.push_back(end - t > 1 ? shared : 0);
+    t = end;
+  }
+  const int64_t num_groups = static_cast<int64_t>(group_shared.size());
+  // Small steps run on the calling thread: waking a worker costs more than their attention.
+  const int64_t grain = work < (int64_t{1} << 20) ? num_groups : 1;
+  at::parallel_for(0, num_groups, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
-    for (int64_t t = begin; t < end; ++t) {
-      const int32_t s = row_seq_[t];
-      const int32_t n_new = layout_.query_start[s + 1] - layout_.query_start[s];
-      const int32_t p = layout_.context_lens[s] - n_new + static_cast<int32_t>(t - layout_.query_start[s]);
-      const int num_keys = p + 1;
-      scores.resize(static_cast<size_t>(n_heads) * num_keys);
-      const int64_t row_offset = t * n_heads * head_dim;
-      kernels::AttendToken(q_ptr + row_offset, n_kv, group, head_dim, num_keys, block_size_,
-                           ids + layout_.block_table_start[s], k_store, v_store, block_stride, token_stride, scale,
-                           scores.data(), out_ptr + row_offset);
+    for (int64_t g = begin; g < end; ++g) {
+      const int64_t first = group_start[g], count = group_start[g + 1] - first;
+      int max_keys = 0;
+      for (int64_t t = first; t < first + count; ++t) max_keys = std::max(max_keys, rows[t].num_keys);
+      scores.resize(static_cast<size_t>(kernels::AttendTokensScratch(static_cast<int>(count), n_heads, max_keys)));
+      kernels::AttendTokens(rows.data() + first, static_cast<int>(count), group_shared[g], n_kv, group, head_dim,
+                            block_size_, k_store, v_store, block_stride, token_stride, scale, scores.data());
     }
   });
   return out;

@@ -100,6 +100,76 @@ TEST_P(PagedAttentionTest, EqualsContiguousAttentionOnRandomChunks) {
 INSTANTIATE_TEST_SUITE_P(BlockSizesAndHeadDims, PagedAttentionTest,
                          ::testing::Combine(::testing::Values(1, 4, 16, 32), ::testing::Values(8, 48, 64)));
 
+// A GRPO group: n samples whose block tables start with the prompt's blocks, decoded together
+// (the paged cache attends them as one group over the shared blocks), against contiguous
+// attention where every sample holds its own copy of the prompt's keys and values.
+TEST(PagedKvCacheTest, SamplesSharingPromptBlocksEqualContiguous) {
+  c10::InferenceMode guard;
+  ModelConfig config = policy::DefaultModelConfig();
+  config.dim = config.n_heads * 48;
+  config.n_layers = 2;
+  config.max_seq_len = 96;
+  const int block_size = 16, prompt = 40, n = 6, decode_steps = 30;
+  const int64_t h = config.n_heads, kvh = config.n_kv_heads, d = config.head_dim();
+  PagedKvCache paged(config, 64, block_size);
+  ContiguousKvCache contiguous(config, n);
+  at::manual_seed(5);
+  // Prefill: the paged cache computes the prompt once (sequence 0, blocks 0..2); the contiguous
+  // cache gets the same rows in every slot.
+  {
+    PagedStepLayout layout;
+    layout.query_start = {0, prompt};
+    layout.context_lens = {prompt};
+    layout.block_ids = {0, 1, 2};
+    layout.block_table_start = {0, 3};
+    paged.SetStep(layout);
+    std::vector<int> slots, query_start = {0}, context;
+    for (int s = 0; s < n; ++s) {
+      slots.push_back(s);
+      query_start.push_back(query_start.back() + prompt);
+      context.push_back(prompt);
+    }
+    contiguous.SetStep(slots, query_start, context);
+    for (int layer = 0; layer < config.n_layers; ++layer) {
+      at::Tensor q = at::randn({prompt, h, d}), k = at::randn({prompt, kvh, d}), v = at::randn({prompt, kvh, d});
+      const at::Tensor want = contiguous.Attend(layer, q.repeat({n, 1, 1}), k.repeat({n, 1, 1}), v.repeat({n, 1, 1}));
+      ASSERT_LE(MaxRelDiff(paged.Attend(layer, q, k, v), want.slice(0, 0, prompt)), 1e-5);
+    }
+  }
+  // Decode: sample s keeps the two full prompt blocks (0, 1), copies the partial third one into
+  // a block of its own (what copy-on-write does) and grows into more blocks of its own.
+  std::vector<std::vector<int32_t>> tables(n);
+  int next_block = 3;
+  for (int s = 0; s < n; ++s) {
+    tables[s] = {0, 1, next_block++};
+    paged.CopyBlocks({{2, tables[s][2]}});
+  }
+  for (int step = 0; step < decode_steps; ++step) {
+    const int len = prompt + step + 1;
+    PagedStepLayout layout;
+    layout.query_start = {0};
+    layout.block_table_start = {0};
+    std::vector<int> slots, query_start = {0}, context;
+    for (int s = 0; s < n; ++s) {
+      while (static_cast<int>(tables[s].size()) * block_size < len) tables[s].push_back(next_block++);
+      layout.query_start.push_back(s + 1);
+      layout.context_lens.push_back(len);
+      layout.block_ids.insert(layout.block_ids.end(), tables[s].begin(), tables[s].end());
+      layout.block_table_start.push_back(static_cast<int32_t>(layout.block_ids.size()));
+      slots.push_back(s);
+      query_start.push_back(s + 1);
+      context.push_back(len);
+    }
+    paged.SetStep(layout);
+    contiguous.SetStep(slots, query_start, context);
+    for (int layer = 0; layer < config.n_layers; ++layer) {
+      at::Tensor q = at::randn({n, h, d}), k = at::randn({n, kvh, d}), v = at::randn({n, kvh, d});
+      ASSERT_LE(MaxRelDiff(paged.Attend(layer, q, k, v), contiguous.Attend(layer, q, k, v)), 1e-5)
+          << "decode step " << step << " layer " << layer;
+    }
+  }
+}
+
 TEST(PagedKvCacheTest, CopyBlocksCopiesEveryLayer) {
   c10::InferenceMode guard;
   ModelConfig config = policy::DefaultModelConfig();
