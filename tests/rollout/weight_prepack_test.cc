@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <thread>
 #include <condition_variable>
 #include <cstring>
 #include <map>
@@ -446,7 +447,21 @@ TEST_P(WeightPrepackInterleavedTest, StepsDuringStagingSeeOnlyTheOldWeightsAndAf
       during.push_back(std::move(s));
     }).ok());
   }
-  if (threaded) engine.Start();
+  if (threaded) {
+    engine.Start();
+    // Drain lets running sequences finish under the old version; requests still waiting run after
+    // the update. So wait until the engine thread has admitted all of them (on a loaded machine it
+    // may not have run a step yet when the staging below is done).
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+    auto admitted = [&] {
+      const auto stats = engine.stats();
+      return stats.num_steps >= 2 && stats.num_waiting == 0;
+    };
+    while (!admitted() && std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    ASSERT_TRUE(admitted()) << "the engine thread did not admit the requests within 60 s";
+  }
 
   policy::UpdateManifest manifest;
   manifest.version = 1;
