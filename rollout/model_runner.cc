@@ -375,19 +375,27 @@ std::vector<TokenChoice> ModelRunner::Sample(const std::vector<SamplingTarget>& 
   const int vocab = m.model.config().vocab_size;
   const int64_t num_rows = m.logits.size(0);
   const int64_t num_blocks = (vocab + kernels::kBlock - 1) / kernels::kBlock;
-  // The samples of a row are one request's, so they share its temperature.
+  // The samples of a row are one request's, so they share its sampling params. Only top-k and
+  // top-p need a row's probabilities in memory (64 MiB per step at 512 rows of a 32000-token
+  // vocabulary); plain and greedy sampling read the logits and write nothing of their size.
   std::vector<double> temperature(num_rows, 1.0);
-  for (const SamplingTarget& t : targets) temperature[t.row] = t.seq->request->request.sampling.temperature;
+  std::vector<char> needs_probs(num_rows, 0);
+  for (const SamplingTarget& t : targets) {
+    const SamplingParams& params = t.seq->request->request.sampling;
+    temperature[t.row] = params.temperature;
+    needs_probs[t.row] = params.temperature > 0 && (params.top_k > 0 || params.top_p < 1.0);
+  }
   if (!m.probs.defined()) m.probs = at::empty({0}, at::kFloat);
-  m.probs.resize_({num_rows, vocab});
+  if (std::find(needs_probs.begin(), needs_probs.end(), 1) != needs_probs.end()) m.probs.resize_({num_rows, vocab});
   m.block_sums.resize(static_cast<size_t>(num_rows * num_blocks));
   m.rows.resize(static_cast<size_t>(num_rows));
   const float* logits = m.logits.data_ptr<float>();
-  float* probs = m.probs.data_ptr<float>();
+  float* probs = m.probs.numel() >= num_rows * vocab ? m.probs.data_ptr<float>() : nullptr;
   // Row kernels (vectorized; a row's values never depend on other rows), then the draws.
   at::parallel_for(0, num_rows, 8, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      m.rows[r] = PrepareDistribution(logits + r * vocab, vocab, temperature[r], probs + r * vocab,
+      m.rows[r] = PrepareDistribution(logits + r * vocab, vocab, temperature[r],
+                                      needs_probs[r] ? probs + r * vocab : nullptr,
                                       m.block_sums.data() + r * num_blocks);
     }
   });

@@ -9,6 +9,8 @@
 
 #include <fmt/format.h>
 
+#include "policy/check.h"
+
 namespace vroll::rollout {
 
 namespace {
@@ -98,28 +100,49 @@ TokenChoice SampleFromDistribution(const DistributionRow& row, const SamplingPar
     choice.logprob = RowLogprob(row, choice.token);
     return choice;
   }
-  const float* probs = row.probs;
   const double u = rng.NextUniform();
   if (params.top_k <= 0 && params.top_p >= 1.0) {
-    // Inverse CDF in id order, in two levels: whole blocks by their sums, then ids inside one.
+    // Inverse CDF in id order, in two levels: whole blocks by their sums, then ids inside one,
+    // whose probabilities ExpBlock recomputes (the same bits SoftmaxRow summed) when the row
+    // holds none.
     const int num_blocks = (vocab + kernels::kBlock - 1) / kernels::kBlock;
     const double target = u * row.total;
     double cum = 0;
     int b = 0;
     while (b < num_blocks - 1 && cum + row.block_sums[b] <= target) cum += row.block_sums[b++];
+    float block[kernels::kBlock];
+    auto block_probs = [&](int blk) -> const float* {
+      const int begin = blk * kernels::kBlock, n = std::min(vocab - begin, kernels::kBlock);
+      if (row.probs != nullptr) return row.probs + begin;
+      kernels::ExpBlock(row.logits + begin, n, row.inv_t, row.max, block);
+      return block;
+    };
+    const float* p = block_probs(b);
     const int begin = b * kernels::kBlock, end = std::min(vocab, begin + kernels::kBlock);
-    choice.token = end - 1;
-    for (int i = begin; i < end; ++i) {
-      cum += probs[i];
+    int i = end - 1;
+    for (int j = begin; j < end; ++j) {
+      cum += p[j - begin];
       if (cum > target) {
-        choice.token = i;
+        i = j;
         break;
       }
     }
-    while (probs[choice.token] == 0 && choice.token > 0) --choice.token;  // never a zero-probability tail
+    // Never a zero-probability id (the rounding tail of the sums): step back to a positive one.
+    while (i > 0 && p[i - b * kernels::kBlock] == 0) {
+      if (i > b * kernels::kBlock) {
+        --i;
+        continue;
+      }
+      --b;  // into the previous block, recomputed
+      p = block_probs(b);
+      i = std::min(vocab, (b + 1) * kernels::kBlock) - 1;
+    }
+    choice.token = i;
     choice.logprob = RowLogprob(row, choice.token);
     return choice;
   }
+  VROLL_CHECK(row.probs != nullptr, "top-k/top-p sampling needs the row's probabilities");
+  const float* probs = row.probs;
   // Candidates by (probability desc, id asc). Sort only as many as needed: the top-k, or a prefix
   // grown geometrically until it holds the top-p nucleus (usually a few dozen tokens).
   auto better = [probs](int a, int b) { return probs[a] > probs[b] || (probs[a] == probs[b] && a < b); };
@@ -172,6 +195,7 @@ TokenChoice SampleFromDistribution(const DistributionRow& row, const SamplingPar
 TokenChoice SampleToken(const float* logits, int vocab_size, const SamplingParams& params, SequenceRng& rng,
                         std::vector<float>& scratch) {
   scratch.resize(static_cast<size_t>(vocab_size));
+  // (Always with probabilities: the engine leaves them out where plain sampling needs none.)
   std::vector<double> block_sums((vocab_size + kernels::kBlock - 1) / kernels::kBlock);
   const DistributionRow row = PrepareDistribution(logits, vocab_size, params.temperature, scratch.data(),
                                                   block_sums.data());

@@ -35,7 +35,9 @@ struct TokenChoice {
 
 /// One row of the distribution to sample from, with t = temperature (1 when greedy):
 ///   logits:     raw model logits [vocab_size] (greedy takes their first maximum, as llama2.c);
-///   probs:      exp(logits / t - max) [vocab_size], unnormalized;
+///   probs:      exp(logits / t - max) [vocab_size], unnormalized; may be null when neither
+///               top-k nor top-p is used (plain sampling recomputes the one block it draws from,
+///               with the same bits; greedy needs none);
 ///   block_sums: sums of probs over blocks of kernels::kBlock ids [ceil(vocab_size / kBlock)];
 ///   max, total: max_i logits[i] / t and sum_i probs[i], so that
 ///   logprob(i) = logits[i] / t - max - log(total).
@@ -50,8 +52,8 @@ struct DistributionRow {
   int vocab_size = 0;
 };
 
-/// Fills `row` for `logits` at `temperature`, writing into `probs` [vocab_size] and
-/// `block_sums` [ceil(vocab_size / kernels::kBlock)] (caller-owned, reused).
+/// Fills `row` for `logits` at `temperature`, writing into `probs` [vocab_size] (or null: see
+/// DistributionRow) and `block_sums` [ceil(vocab_size / kernels::kBlock)] (caller-owned, reused).
 DistributionRow PrepareDistribution(const float* logits, int vocab_size, double temperature, float* probs,
                                     double* block_sums);
 

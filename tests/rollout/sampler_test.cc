@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include "rollout/sampler.h"
+#include "rollout/sampler_kernels.h"
 
 namespace vroll::rollout {
 namespace {
@@ -105,6 +106,78 @@ TEST(SamplerTest, StreamsAreReproducibleAndDistinctPerSample) {
     sum += v;
   }
   EXPECT_NEAR(sum / 100000, 0.5, 0.005);
+}
+
+/// Logits of `vocab` ids (several blocks and a partial last one), deterministic pseudo-random.
+std::vector<float> RandomLogits(int vocab, uint64_t seed) {
+  SequenceRng rng(seed, 0);
+  std::vector<float> logits(vocab);
+  for (float& x : logits) x = static_cast<float>(8.0 * rng.NextUniform() - 4.0);
+  return logits;
+}
+
+// The engine leaves the probabilities out of a row when plain sampling needs none and recomputes
+// the drawn block (ExpBlock). Oracle: the same draws from the row with probabilities written.
+TEST(SamplerTest, PlainSamplingWithoutProbabilitiesDrawsWhatTheFullRowDraws) {
+  for (int vocab : {7, 256, 1000, 32000}) {
+    const std::vector<float> logits = RandomLogits(vocab, static_cast<uint64_t>(vocab));
+    const int num_blocks = (vocab + kernels::kBlock - 1) / kernels::kBlock;
+    for (double t : {0.0, 0.3, 1.0, 1.7}) {
+      std::vector<float> probs(vocab);
+      std::vector<double> sums_a(num_blocks), sums_b(num_blocks);
+      const DistributionRow with = PrepareDistribution(logits.data(), vocab, t, probs.data(), sums_a.data());
+      const DistributionRow without = PrepareDistribution(logits.data(), vocab, t, nullptr, sums_b.data());
+      ASSERT_EQ(without.probs, nullptr);
+      ASSERT_EQ(with.max, without.max);
+      ASSERT_EQ(with.total, without.total);
+      ASSERT_EQ(sums_a, sums_b);
+      // ExpBlock recomputes each block's probabilities bit for bit.
+      for (int b = 0; b < num_blocks; ++b) {
+        const int begin = b * kernels::kBlock, n = std::min(vocab - begin, kernels::kBlock);
+        float block[kernels::kBlock];
+        const float sum = kernels::ExpBlock(logits.data() + begin, n, with.inv_t, with.max, block);
+        EXPECT_EQ(static_cast<double>(sum), sums_a[b]) << vocab << " block " << b;
+        for (int i = 0; i < n; ++i) ASSERT_EQ(block[i], probs[begin + i]) << vocab << " id " << begin + i;
+      }
+      SamplingParams params;
+      params.temperature = t;
+      SequenceRng ra(11, 3), rb(11, 3);
+      std::vector<int> scratch;
+      for (int draw = 0; draw < 2000; ++draw) {
+        const TokenChoice a = SampleFromDistribution(with, params, ra, scratch);
+        const TokenChoice b = SampleFromDistribution(without, params, rb, scratch);
+        ASSERT_EQ(a.token, b.token) << vocab << " t " << t << " draw " << draw;
+        ASSERT_EQ(a.logprob, b.logprob);
+      }
+    }
+  }
+}
+
+// A draw that lands on zero-probability ids (the rounding tail of block sums) steps back to the
+// last id of positive probability, across blocks, with or without the row's probabilities.
+TEST(SamplerTest, DrawNeverReturnsAZeroProbabilityId) {
+  const int vocab = 1000;  // blocks [0,256) [256,512) [512,768) [768,1000)
+  std::vector<float> logits = RandomLogits(vocab, 5);
+  for (int i = 300; i < vocab; ++i) logits[i] = -1e30f;  // exp underflows to 0 from id 300 on
+  const int num_blocks = (vocab + kernels::kBlock - 1) / kernels::kBlock;
+  std::vector<float> probs(vocab);
+  std::vector<double> sums_a(num_blocks), sums_b(num_blocks);
+  DistributionRow with = PrepareDistribution(logits.data(), vocab, 1.0, probs.data(), sums_a.data());
+  DistributionRow without = PrepareDistribution(logits.data(), vocab, 1.0, nullptr, sums_b.data());
+  EXPECT_EQ(probs[299] > 0, true);
+  EXPECT_EQ(probs[300], 0.0f);
+  // Force every draw into the all-zero last block: as if rounding had left the target past the
+  // earlier blocks' sums.
+  for (std::vector<double>* sums : {&sums_a, &sums_b}) {
+    for (int b = 0; b < num_blocks - 1; ++b) (*sums)[b] = 0;
+  }
+  SamplingParams params;
+  SequenceRng ra(1, 0), rb(1, 0);
+  std::vector<int> scratch;
+  for (int draw = 0; draw < 20; ++draw) {
+    EXPECT_EQ(SampleFromDistribution(with, params, ra, scratch).token, 299);
+    EXPECT_EQ(SampleFromDistribution(without, params, rb, scratch).token, 299);
+  }
 }
 
 TEST(SamplerTest, ValidateNamesTheField) {
