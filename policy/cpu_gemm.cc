@@ -10,6 +10,8 @@
 #include <algorithm>
 #include <cstring>
 
+#include <immintrin.h>
+
 #include "policy/cpu_kernels.h"
 
 namespace vroll::policy::kernels {
@@ -48,13 +50,22 @@ __attribute__((always_inline)) inline void Tile(const float* x, int64_t k, const
 
 inline void Store(float* p, const Vec& v) { std::memcpy(p, &v, sizeof(v)); }
 
-/// Stores `cols` (<= 16) lanes of v (+ bias) (+ old y) at y: (v + bias) + y per element.
-__attribute__((always_inline)) inline void StoreLanes(Vec v, const float* bias, bool accumulate, int64_t cols,
-                                                      float* y) {
+/// Stores `cols` (<= 16) lanes of v (+ bias) (+ old y) at y: (v + bias) + y per element. With
+/// `stream` (64-byte aligned y, no accumulate), a whole panel goes to memory with a
+/// non-temporal store: no read of the destination line first, nothing evicted.
+__attribute__((always_inline)) inline void StoreLanes(Vec v, const float* bias, bool accumulate, bool stream,
+                                                      int64_t cols, float* y) {
   if (cols == kPanel) {
     if (bias != nullptr) v += Load(bias);
     if (accumulate) v = Load(y) + v;
-    Store(y, v);
+    if (stream) {
+      // Four 16-byte non-temporal stores fill one write-combining line (SSE2: in every clone).
+      float lanes[kPanel];
+      Store(lanes, v);
+      for (int q = 0; q < kPanel; q += 4) _mm_stream_ps(y + q, _mm_loadu_ps(lanes + q));
+    } else {
+      Store(y, v);
+    }
     return;
   }
   float lanes[kPanel];
@@ -69,16 +80,18 @@ __attribute__((always_inline)) inline void StoreLanes(Vec v, const float* bias, 
 template <int MR>
 __attribute__((always_inline)) inline void Block(const float* x, int64_t k, const float* tile, const float* prefetch,
                                                  int64_t col0, int64_t n,
-                                                 const float* bias, float* y, int64_t ldy, bool accumulate) {
+                                                 const float* bias, float* y, int64_t ldy, bool accumulate,
+                                                 bool stream) {
   Vec acc[2 * MR];
   Tile<MR>(x, k, tile, tile + k * kPanel, prefetch, acc);
   const int64_t cols0 = std::min<int64_t>(kPanel, n - col0);
   const int64_t cols1 = std::max<int64_t>(0, std::min<int64_t>(kPanel, n - col0 - kPanel));
   for (int i = 0; i < MR; ++i) {
     float* yr = y + i * ldy + col0;
-    StoreLanes(acc[2 * i], bias != nullptr ? bias + col0 : nullptr, accumulate, cols0, yr);
+    StoreLanes(acc[2 * i], bias != nullptr ? bias + col0 : nullptr, accumulate, stream, cols0, yr);
     if (cols1 > 0) {
-      StoreLanes(acc[2 * i + 1], bias != nullptr ? bias + col0 + kPanel : nullptr, accumulate, cols1, yr + kPanel);
+      StoreLanes(acc[2 * i + 1], bias != nullptr ? bias + col0 + kPanel : nullptr, accumulate, stream, cols1,
+                 yr + kPanel);
     }
   }
 }
@@ -143,7 +156,8 @@ void PackWeight(const float* w, int64_t n, int64_t k, int64_t tile_begin, int64_
 
 __attribute__((target_clones("avx512f", "fma", "default")))
 void LinearTiles(const float* x, int64_t m, int64_t k, const float* packed, int64_t n, const float* bias, float* y,
-                 int64_t ldy, bool accumulate, int64_t tile_begin, int64_t tile_end) {
+                 int64_t ldy, bool accumulate, int64_t tile_begin, int64_t tile_end, bool stream_output) {
+  const bool stream = stream_output && !accumulate && reinterpret_cast<uintptr_t>(y) % 64 == 0 && ldy % 16 == 0;
   // Rows are taken in chunks whose slice of x stays in L2 while the chunk sweeps the tiles.
   const int64_t chunk_rows = std::max<int64_t>(kMaxRows, (384 * 1024 / (4 * std::max<int64_t>(k, 1))) / kMaxRows * kMaxRows);
   for (int64_t r0 = 0; r0 < m; r0 += chunk_rows) {
@@ -162,7 +176,9 @@ void LinearTiles(const float* x, int64_t m, int64_t k, const float* packed, int6
         const int64_t len = base + (b < extra ? 1 : 0);
         switch (len) {
 #define VROLL_BLOCK(R) \
-  case R: Block<R>(x + i * k, k, tile, b == 0 ? next : nullptr, col0, n, bias, y + i * ldy, ldy, accumulate); break;
+  case R: Block<R>(x + i * k, k, tile, b == 0 ? next : nullptr, col0, n, bias, y + i * ldy, ldy, accumulate, \
+                   stream); \
+    break;
           VROLL_BLOCK(1) VROLL_BLOCK(2) VROLL_BLOCK(3) VROLL_BLOCK(4) VROLL_BLOCK(5) VROLL_BLOCK(6)
           VROLL_BLOCK(7) VROLL_BLOCK(8) VROLL_BLOCK(9) VROLL_BLOCK(10) VROLL_BLOCK(11) VROLL_BLOCK(12)
 #undef VROLL_BLOCK
@@ -172,6 +188,8 @@ void LinearTiles(const float* x, int64_t m, int64_t k, const float* packed, int6
       }
     }
   }
+  // Non-temporal stores are weakly ordered: make them visible before whatever hands y over.
+  if (stream) _mm_sfence();
 }
 
 }  // namespace vroll::policy::kernels

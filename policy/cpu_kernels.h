@@ -40,8 +40,13 @@ void PackWeight(const float* w, int64_t n, int64_t k, int64_t tile_begin, int64_
 ///   x: [m, k] row-major, row stride k;  packed: PackWeight of w [n, k];  bias: [n] or null;
 ///   y: row stride ldy >= n.  accumulate adds the product to y in place (a fused residual add).
 /// The sum runs k in order, then adds bias, then the old y: identical bits for a row whatever m.
+/// stream_output (ignored with accumulate, or unless y is 64-byte aligned and ldy a multiple of
+/// 16): y goes to memory with non-temporal stores, for an output too large to stay in cache (the
+/// logits: [rows, vocab]); saves reading y's lines before writing them (the call ends with a
+/// store fence). Same values either way.
 void LinearTiles(const float* x, int64_t m, int64_t k, const float* packed, int64_t n, const float* bias, float* y,
-                 int64_t ldy, bool accumulate, int64_t tile_begin, int64_t tile_end);
+                 int64_t ldy, bool accumulate, int64_t tile_begin, int64_t tile_end, bool stream_output = false);
+
 
 /// out[j] = weight[j] * (x[j] * 1 / sqrt(mean(x^2) + eps)) for one row of length n (llama2.c
 /// rmsnorm; Zhang & Sennrich 2019). x and out may alias.

@@ -41,7 +41,7 @@ void Pack(const at::Tensor& w, at::Tensor& packed) {
 /// y [m, n] (row stride ldy) (+)= x [m, k] @ w^T (+ bias), w packed; parallel over column tiles
 /// (each output element is computed by one thread in a fixed order: batch invariant).
 void Gemm(const float* x, int64_t m, int64_t k, const at::Tensor& packed, int64_t n, const at::Tensor& bias, float* y,
-          int64_t ldy, bool accumulate) {
+          int64_t ldy, bool accumulate, bool stream_output = false) {
   const float* w = packed.data_ptr<float>();
   const float* b = bias.defined() ? bias.data_ptr<float>() : nullptr;
   const int64_t tiles = kernels::NumColumnTiles(n);
@@ -49,7 +49,7 @@ void Gemm(const float* x, int64_t m, int64_t k, const at::Tensor& packed, int64_
   // (passive waits), more than a small GEMM (e.g. every GEMM of a 260K-parameter model).
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 20) / std::max<int64_t>(1, m * k * kernels::kTileCols));
   at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
-    kernels::LinearTiles(x, m, k, w, n, b, y, ldy, accumulate, begin, end);
+    kernels::LinearTiles(x, m, k, w, n, b, y, ldy, accumulate, begin, end, stream_output);
   });
 }
 
@@ -226,6 +226,7 @@ at::Tensor LlamaModel::ForwardCpu(const ForwardBatch& batch, AttentionBackend& k
     kernels::RmsNormRow(xp + int64_t{batch.logits_rows[r]} * dim, final_norm, dim, eps, lastp + r * dim);
   }
   at::Tensor logits;
+  const int64_t logits_bytes = num_logits * config_.vocab_size * int64_t{sizeof(float)};
   if (logits_out != nullptr) {
     if (!logits_out->defined()) *logits_out = at::empty({0}, at::kFloat);
     logits_out->resize_({num_logits, config_.vocab_size});
@@ -233,8 +234,10 @@ at::Tensor LlamaModel::ForwardCpu(const ForwardBatch& batch, AttentionBackend& k
   } else {
     logits = at::empty({num_logits, config_.vocab_size}, at::kFloat);
   }
+  // The logits are written once and read next by the sampler, too many for the cache:
+  // non-temporal stores (no read of each line before it is written).
   Gemm(lastp, num_logits, dim, packed_lm_head_, config_.vocab_size, {}, logits.data_ptr<float>(), config_.vocab_size,
-       /*accumulate=*/false);
+       /*accumulate=*/false, /*stream_output=*/logits_bytes >= (int64_t{4} << 20));
   return logits;
 }
 

@@ -98,6 +98,39 @@ TEST(CpuGemmTest, EveryRowIsBitwiseIndependentOfTheBatchAndTheTileSplit) {
   }
 }
 
+// stream_output (non-temporal stores, for the logits) writes the same bits as ordinary stores,
+// touches nothing past column n, and falls back to ordinary stores where it cannot stream (an
+// unaligned y or row stride, accumulate).
+TEST(CpuGemmTest, StreamedOutputEqualsOrdinaryStores) {
+  for (int64_t n : {32, 70, 160}) {
+    for (int64_t ldy : {n, n + 3, n + 16}) {
+      for (int64_t offset : {0, 1}) {  // y 64-byte aligned, or not
+        const int64_t m = 29, k = 45;
+        const auto x = Random(m * k, 12), w = Random(n * k, 13), bias = Random(n, 14), y0 = Random(m * ldy + 16, 15);
+        const auto packed = Packed(w, n, k);
+        for (bool accumulate : {false, true}) {
+          alignas(64) static float plain_buf[40000], stream_buf[40000];
+          ASSERT_LE(m * ldy + 16, 40000);
+          std::memcpy(plain_buf, y0.data(), sizeof(float) * y0.size());
+          std::memcpy(stream_buf, y0.data(), sizeof(float) * y0.size());
+          LinearTiles(x.data(), m, k, packed.data(), n, bias.data(), plain_buf + offset, ldy, accumulate, 0,
+                      NumColumnTiles(n), /*stream_output=*/false);
+          LinearTiles(x.data(), m, k, packed.data(), n, bias.data(), stream_buf + offset, ldy, accumulate, 0,
+                      NumColumnTiles(n), /*stream_output=*/true);
+          ASSERT_EQ(std::memcmp(plain_buf, stream_buf, sizeof(float) * y0.size()), 0)
+              << "n=" << n << " ldy=" << ldy << " offset=" << offset << " accumulate=" << accumulate;
+          // And both are the product (the ordinary path is checked against float64 above).
+          std::vector<float> y(m * n);
+          LinearTiles(x.data(), m, k, packed.data(), n, bias.data(), y.data(), n, false, 0, NumColumnTiles(n));
+          for (int64_t i = 0; i < m && !accumulate; ++i) {
+            ASSERT_EQ(std::memcmp(stream_buf + offset + i * ldy, y.data() + i * n, sizeof(float) * n), 0) << i;
+          }
+        }
+      }
+    }
+  }
+}
+
 TEST(CpuRowKernelsTest, RmsNormMatchesDoublePrecision) {
   for (int64_t n : {1, 17, 64, 288}) {
     const auto x = Random(n, 10), w = Random(n, 11);
