@@ -11,6 +11,7 @@
 #include "cache/paged_kv_cache.h"
 #include "policy/check.h"
 #include "policy/cpu_kernels.h"
+#include "policy/huge_pages.h"
 #include "policy/llama_model.h"
 #include "policy/weight_prepack.h"
 #include "rollout/sampler_kernels.h"
@@ -168,7 +169,7 @@ ModelRunner::ModelRunner(const policy::Checkpoint& checkpoint, const ModelRunner
       pg.pack_rows = src.size(0);
       pg.pack_cols = src.size(1);
       m.group_packed[g] = static_cast<int>(j);
-      m.spare_packed[g] = at::zeros({policy::kernels::PackedSize(pg.pack_rows, pg.pack_cols)}, at::kFloat);
+      m.spare_packed[g] = policy::ZerosOnHugePages({policy::kernels::PackedSize(pg.pack_rows, pg.pack_cols)});
     }
     m.prepack_group.push_back(g);
     prepack.push_back(std::move(pg));

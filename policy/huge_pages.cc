@@ -1,0 +1,59 @@
+#include "policy/huge_pages.h"
+
+#include <sys/mman.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <new>
+#include <sstream>
+#include <string>
+
+#include <ATen/Functions.h>
+
+namespace vroll::policy {
+namespace {
+
+constexpr size_t kHugePageBytes = size_t{2} << 20;
+
+}  // namespace
+
+at::Tensor ZerosOnHugePages(c10::IntArrayRef sizes) {
+  int64_t numel = 1;
+  for (int64_t s : sizes) numel *= s;
+  const size_t bytes = static_cast<size_t>(numel) * sizeof(float);
+  if (bytes < kHugePageBytes) return at::zeros(sizes, at::kFloat);
+  const size_t rounded = (bytes + kHugePageBytes - 1) / kHugePageBytes * kHugePageBytes;
+  void* memory = std::aligned_alloc(kHugePageBytes, rounded);
+  if (memory == nullptr) throw std::bad_alloc();
+  // Advice, not a requirement: without THP (or with THP "never") the pages are just small ones.
+  (void)madvise(memory, rounded, MADV_HUGEPAGE);
+  std::memset(memory, 0, bytes);  // first touch: faults in huge pages now, not during a step
+  return at::from_blob(memory, sizes, [](void* p) { std::free(p); }, at::TensorOptions().dtype(at::kFloat));
+}
+
+int64_t HugePageBytes(const at::Tensor& tensor) {
+  const auto begin = reinterpret_cast<uintptr_t>(tensor.data_ptr());
+  const uintptr_t end = begin + static_cast<uintptr_t>(tensor.nbytes());
+  std::ifstream smaps("/proc/self/smaps");
+  std::string line;
+  bool overlaps = false;
+  int64_t total_kib = 0;
+  while (std::getline(smaps, line)) {
+    unsigned long lo = 0, hi = 0;
+    char dash = 0;
+    std::istringstream head(line);
+    if (head >> std::hex >> lo >> dash >> hi && dash == '-') {
+      overlaps = lo < end && begin < hi;
+      continue;
+    }
+    if (overlaps && line.rfind("AnonHugePages:", 0) == 0) {
+      std::istringstream field(line.substr(14));
+      int64_t kib = 0;
+      if (field >> kib) total_kib += kib;
+    }
+  }
+  return total_kib * 1024;
+}
+
+}  // namespace vroll::policy

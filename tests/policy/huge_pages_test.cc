@@ -1,0 +1,52 @@
+// ZerosOnHugePages: a zero-filled tensor that owns its memory, on transparent huge pages where the
+// kernel offers them (oracle: /proc/self/smaps, read independently of the allocation).
+
+#include "policy/huge_pages.h"
+
+#include <fstream>
+#include <string>
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+namespace vroll::policy {
+namespace {
+
+std::string ThpMode() {
+  std::ifstream f("/sys/kernel/mm/transparent_hugepage/enabled");
+  std::string line;
+  std::getline(f, line);
+  return line;  // e.g. "always [madvise] never"
+}
+
+TEST(HugePagesTest, LargeTensorIsZeroedContiguousAndWritable) {
+  const at::Tensor t = ZerosOnHugePages({3, 1000, 700});  // 8.4 MB
+  ASSERT_EQ(t.sizes(), (std::vector<int64_t>{3, 1000, 700}));
+  ASSERT_EQ(t.scalar_type(), at::kFloat);
+  ASSERT_TRUE(t.is_contiguous());
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(t.data_ptr()) % (2 << 20), 0u) << "2 MiB aligned";
+  EXPECT_EQ(t.count_nonzero().item<int64_t>(), 0);
+  at::Tensor u = t;  // shares the storage; freed when the last handle goes
+  u.fill_(2.5f);
+  EXPECT_EQ(t.sum().item<double>(), 2.5 * 3 * 1000 * 700);
+}
+
+TEST(HugePagesTest, SmallTensorIsAnOrdinaryZeroTensor) {
+  const at::Tensor t = ZerosOnHugePages({10, 10});
+  EXPECT_EQ(t.numel(), 100);
+  EXPECT_EQ(t.count_nonzero().item<int64_t>(), 0);
+}
+
+TEST(HugePagesTest, BackedByHugePagesWhenTheKernelOffersThem) {
+  const std::string mode = ThpMode();
+  if (mode.find("[always]") == std::string::npos && mode.find("[madvise]") == std::string::npos) {
+    GTEST_SKIP() << "transparent huge pages are off here: '" << mode << "'";
+  }
+  const at::Tensor t = ZerosOnHugePages({int64_t{16} << 20});  // 64 MiB
+  // The kernel may fall back to small pages when it has no free 2 MiB page; it rarely has none
+  // for all of them.
+  EXPECT_GT(HugePageBytes(t), 0) << "no huge pages for a 64 MiB MADV_HUGEPAGE buffer (THP '" << mode << "')";
+}
+
+}  // namespace
+}  // namespace vroll::policy
