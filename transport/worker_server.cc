@@ -173,12 +173,20 @@ std::string WorkerConfig::ToString() const {
 struct WorkerServer::Impl {
   /// An accepted generate request whose samples are not all sent yet.
   struct LiveRequest {
-    std::string peer;        // routing id of the client
-    std::string id;          // the generate message's correlation id
-    std::string request_id;
+    std::string peer;               // routing id of the client
+    std::string id;                 // the generate message's correlation id
+    std::string request_id;         // the client's
+    std::string engine_request_id;  // EngineRequestId(peer, request_id)
     int n = 1;
     int num_sent = 0;
   };
+
+  /// Request ids are the client's own: two clients may both use "p0". The engine knows each
+  /// request by its client's routing id + the client's request id, so that results go back under
+  /// the client's id and an `abort` reaches only the sender's own request.
+  static std::string EngineRequestId(const std::string& peer, const std::string& request_id) {
+    return Hex(peer) + "/" + request_id;
+  }
 
   /// The open weight update (at most one).
   ///   kStaging --commit ok, apply--> kApplying --engine ack--> closed
@@ -507,7 +515,8 @@ struct WorkerServer::Impl {
       }
     }
     const uint64_t ticket = next_ticket++;
-    LiveRequest live_request{peer, m.id, r.request_id, r.n, 0};
+    LiveRequest live_request{peer, m.id, r.request_id, EngineRequestId(peer, r.request_id), r.n, 0};
+    m.request.request_id = live_request.engine_request_id;
     std::shared_ptr<Outbox> box = outbox;
     const rollout::SubmitStatus status = engine.Submit(std::move(m.request), [box, ticket](rollout::SampleResult s) {
       box->Push(SampleEvent{ticket, std::move(s)});
@@ -520,16 +529,24 @@ struct WorkerServer::Impl {
       case rollout::SubmitStatus::Code::kStopped:
         SendError(peer, m.id, ErrorCode::kShuttingDown, "", status.error);
         return;
-      case rollout::SubmitStatus::Code::kInvalid:
-        SendError(peer, m.id, ErrorCode::kBadField, FieldOfEngineError(status.error), status.error);
+      case rollout::SubmitStatus::Code::kInvalid: {
+        // The engine names the request by its engine id: give the client back its own.
+        std::string error = status.error;
+        for (size_t at = error.find(live_request.engine_request_id); at != std::string::npos;
+             at = error.find(live_request.engine_request_id, at + live_request.request_id.size())) {
+          error.replace(at, live_request.engine_request_id.size(), live_request.request_id);
+        }
+        SendError(peer, m.id, ErrorCode::kBadField, FieldOfEngineError(error), error);
         return;
+      }
     }
     Send(peer, AcceptedMsg{live_request.id, live_request.request_id, engine.policy_version()});
     live.emplace(ticket, std::move(live_request));
   }
 
   void On(const std::string& peer, AbortMsg& m) {
-    engine.Abort(m.request_id);
+    // Only the sender's own request: another client's request of the same id is not its to end.
+    engine.Abort(EngineRequestId(peer, m.request_id));
     Send(peer, AbortAckMsg{m.id, m.request_id});
   }
 
@@ -803,6 +820,7 @@ struct WorkerServer::Impl {
       return;
     }
     LiveRequest& r = it->second;
+    s.result.request_id = r.request_id;
     Send(r.peer, SampleMsg{r.id, std::move(s.result)});
     if (++r.num_sent >= r.n) live.erase(it);
   }
@@ -845,7 +863,7 @@ struct WorkerServer::Impl {
     log.info("shutting down ({}): aborting {} unfinished requests", reason, live.size());
     std::map<std::string, bool> aborted;
     for (const auto& [ticket, r] : live) {
-      if (aborted.emplace(r.request_id, true).second) engine.Abort(r.request_id);
+      if (aborted.emplace(r.engine_request_id, true).second) engine.Abort(r.engine_request_id);
     }
     if (update && update->phase != OpenUpdate::Phase::kApplying) {
       staging->Abort();

@@ -608,6 +608,35 @@ TEST(WorkerServerTest, AbortEndsUnfinishedSamples) {
   client->Resume();
 }
 
+// Request ids are each client's own: another client may use the same id, its abort does not
+// reach this client's request, and each gets its results under the id it chose.
+TEST(WorkerServerTest, RequestIdsBelongToTheClientThatSentThem) {
+  WorkerHarness worker;
+  auto a = Connect(worker.endpoint());
+  auto b = Connect(worker.endpoint());
+  a->Pause();  // nothing runs until both are in and b has aborted
+  a->Send(GenerateMsg{"ga", MakeRequest("same", {1, 2, 3}, 5)});
+  EXPECT_EQ(NextAs<AcceptedMsg>(*a).request_id, "same");
+  b->Send(GenerateMsg{"gb", MakeRequest("same", {1, 2, 3}, 5)});
+  EXPECT_EQ(NextAs<AcceptedMsg>(*b).request_id, "same") << "another client's id is not in flight for b";
+  // A client reusing its own in-flight id is refused, in its own words.
+  b->Send(GenerateMsg{"dup", MakeRequest("same", {1, 2, 3}, 5)});
+  const ErrorMsg dup = NextAs<ErrorMsg>(*b);
+  EXPECT_EQ(dup.field, "request_id");
+  EXPECT_EQ(dup.message.find("/"), std::string::npos) << dup.message;
+  EXPECT_NE(dup.message.find("'same'"), std::string::npos) << dup.message;
+  b->Send(AbortMsg{"ab", "same"});
+  EXPECT_EQ(NextAs<AbortAckMsg>(*b).request_id, "same");
+  const SampleMsg b_sample = NextAs<SampleMsg>(*b);
+  EXPECT_EQ(b_sample.result.request_id, "same");
+  EXPECT_EQ(b_sample.result.finish_reason, FinishReason::kAborted);
+  a->Resume();
+  const SampleMsg a_sample = NextAs<SampleMsg>(*a);
+  EXPECT_EQ(a_sample.result.request_id, "same");
+  EXPECT_EQ(a_sample.result.finish_reason, FinishReason::kLength) << "b's abort must not end a's request";
+  EXPECT_EQ(a_sample.result.output_ids.size(), 5u);
+}
+
 TEST(WorkerServerTest, HealthAndStatsDescribeTheEngine) {
   WorkerHarness worker;
   auto client = Connect(worker.endpoint());
