@@ -114,30 +114,48 @@ __attribute__((always_inline)) inline void Transpose16(Vec* v) {
   }
 }
 
+namespace {
+
+/// Packs one panel: source rows rows[l] (k floats; null past row n: zeros) into dst, packed as
+/// dst[kk * 16 + l]. 16 x 16 blocks: 16 source rows x 16 input features, transposed in registers
+/// and stored as 16 consecutive k steps of the panel (sequential reads and writes).
+__attribute__((always_inline)) inline void PackPanel(const float* const* rows, int64_t k, float* dst) {
+  int64_t kk = 0;
+  for (; kk + kPanel <= k; kk += kPanel) {
+    Vec v[kPanel];
+    for (int l = 0; l < kPanel; ++l) v[l] = rows[l] != nullptr ? Load(rows[l] + kk) : Vec{};
+    Transpose16(v);
+    for (int c = 0; c < kPanel; ++c) Store(dst + (kk + c) * kPanel, v[c]);
+  }
+  for (; kk < k; ++kk) {
+    for (int64_t l = 0; l < kPanel; ++l) dst[kk * kPanel + l] = rows[l] != nullptr ? rows[l][kk] : 0.0f;
+  }
+}
+
+}  // namespace
+
 __attribute__((target_clones("avx512f", "fma", "default")))
 void PackWeight(const float* w, int64_t n, int64_t k, int64_t tile_begin, int64_t tile_end, float* packed) {
-  // 16 x 16 blocks: 16 source rows x 16 input features, transposed in registers and stored as
-  // 16 consecutive k steps of the panel (sequential reads and writes).
-  static const float kZeros[kPanel] = {};
   for (int64_t p = tile_begin * kPanelsPerTile; p < tile_end * kPanelsPerTile; ++p) {
-    float* dst = packed + p * k * kPanel;
     const float* rows[kPanel];
-    bool real[kPanel];
     for (int64_t l = 0; l < kPanel; ++l) {
       const int64_t row = p * kPanel + l;
-      real[l] = row < n;
-      rows[l] = real[l] ? w + row * k : kZeros;
+      rows[l] = row < n ? w + row * k : nullptr;
     }
-    int64_t kk = 0;
-    for (; kk + kPanel <= k; kk += kPanel) {
-      Vec v[kPanel];
-      for (int l = 0; l < kPanel; ++l) v[l] = real[l] ? Load(rows[l] + kk) : Vec{};
-      Transpose16(v);
-      for (int c = 0; c < kPanel; ++c) Store(dst + (kk + c) * kPanel, v[c]);
+    PackPanel(rows, k, packed + p * k * kPanel);
+  }
+}
+
+__attribute__((target_clones("avx512f", "fma", "default")))
+void PackTileRows(const float* const* rows, int64_t n, int64_t k, int64_t tile, float* packed) {
+  const int64_t num_rows = std::min(kTileCols, n - tile * kTileCols);
+  for (int64_t q = 0; q < kPanelsPerTile; ++q) {
+    const float* panel_rows[kPanel];
+    for (int64_t l = 0; l < kPanel; ++l) {
+      const int64_t i = q * kPanel + l;
+      panel_rows[l] = i < num_rows ? rows[i] : nullptr;
     }
-    for (; kk < k; ++kk) {
-      for (int64_t l = 0; l < kPanel; ++l) dst[kk * kPanel + l] = real[l] ? rows[l][kk] : 0.0f;
-    }
+    PackPanel(panel_rows, k, packed + (tile * kPanelsPerTile + q) * k * kPanel);
   }
 }
 
