@@ -222,6 +222,7 @@ void WeightPrepacker::OnVerified() {
     VROLL_CHECK(num_pending_[g] == 0, "group {}: verified with unstaged parameters", g);
     for (bool packed : tile_packed_[g]) VROLL_CHECK(packed, "group {}: verified with a tile not packed", g);
   }
+  kernels::PackedStoreFence();  // PackTileRows' non-temporal stores, before Prepared can be true
   ready_.store(true);
 }
 

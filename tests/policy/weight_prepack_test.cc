@@ -14,7 +14,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
+#include <new>
 #include <numeric>
 #include <random>
 #include <set>
@@ -45,6 +47,21 @@ const std::vector<StorageSpec>& Storages() {
   };
   return storages;
 }
+
+/// 64-byte aligned storage, as LibTorch allocates the model's packed buffers: PackTileRows writes
+/// such buffers with non-temporal stores (and others with plain ones).
+template <typename T>
+struct Aligned64Allocator {
+  using value_type = T;
+  Aligned64Allocator() = default;
+  template <typename U>
+  Aligned64Allocator(const Aligned64Allocator<U>& /*other*/) {}
+  T* allocate(size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t(64))); }
+  void deallocate(T* p, size_t /*n*/) { ::operator delete(p, std::align_val_t(64)); }
+  bool operator==(const Aligned64Allocator& /*other*/) const { return true; }
+  bool operator!=(const Aligned64Allocator& /*other*/) const { return false; }
+};
+using AlignedFloats = std::vector<float, Aligned64Allocator<float>>;
 
 int64_t Numel(const std::vector<int64_t>& shape) {
   return std::accumulate(shape.begin(), shape.end(), int64_t{1}, std::multiplies<int64_t>());
@@ -231,7 +248,8 @@ class WeightPrepackerFixture {
 
   std::vector<ParamSpec> params_;
   std::vector<PrepackGroup> groups_;
-  std::vector<std::vector<float>> current_, spare_, packed_;  // per storage
+  std::vector<std::vector<float>> current_, spare_;  // per storage
+  std::vector<AlignedFloats> packed_;                // per storage
   std::unique_ptr<WeightPrepacker> prepacker_;
   std::unique_ptr<WeightUpdateStaging> staging_;
   DType dtype_ = DType::kF32;
@@ -354,25 +372,30 @@ TEST_F(WeightPrepackerTest, AbortOrFailedVerifyAfterSomeTilesWerePackedLeavesCur
   ExpectSparesHoldTheUpdate();
 }
 
-TEST(PackTileRowsTest, EqualsPackWeightTileByTileFromScatteredRows) {
+TEST(PackTileRowsTest, EqualsPackWeightTileByTileFromScatteredRowsAlignedOrNot) {
   for (const auto& [n, k] : std::vector<std::pair<int64_t, int64_t>>{{1, 1}, {31, 17}, {32, 16}, {70, 20}, {100, 64}}) {
     SCOPED_TRACE(std::to_string(n) + " x " + std::to_string(k));
     std::mt19937_64 rng(n * 1000 + k);
     std::normal_distribution<float> normal(0.0f, 1.0f);
     std::vector<float> w(n * k);
     for (float& x : w) x = normal(rng);
-    std::vector<float> oracle(kernels::PackedSize(n, k), -1.0f), packed(oracle.size(), -1.0f);
+    std::vector<float> oracle(kernels::PackedSize(n, k), -1.0f);
     kernels::PackWeight(w.data(), n, k, 0, kernels::NumColumnTiles(n), oracle.data());
-    std::vector<std::vector<float>> copies(n);  // each row in its own allocation
-    for (int64_t t = 0; t < kernels::NumColumnTiles(n); ++t) {
-      const float* rows[kernels::kTileCols] = {};
-      for (int64_t r = t * kernels::kTileCols; r < std::min(n, (t + 1) * kernels::kTileCols); ++r) {
-        copies[r].assign(w.begin() + r * k, w.begin() + (r + 1) * k);
-        rows[r - t * kernels::kTileCols] = copies[r].data();
+    // Output 64-byte aligned (non-temporal stores) and 4 bytes past it (plain stores).
+    AlignedFloats buffer(oracle.size() + 1, -1.0f);
+    for (float* packed : {buffer.data(), buffer.data() + 1}) {
+      std::vector<std::vector<float>> copies(n);  // each row in its own allocation
+      for (int64_t t = 0; t < kernels::NumColumnTiles(n); ++t) {
+        const float* rows[kernels::kTileCols] = {};
+        for (int64_t r = t * kernels::kTileCols; r < std::min(n, (t + 1) * kernels::kTileCols); ++r) {
+          copies[r].assign(w.begin() + r * k, w.begin() + (r + 1) * k);
+          rows[r - t * kernels::kTileCols] = copies[r].data();
+        }
+        kernels::PackTileRows(rows, n, k, t, packed);
       }
-      kernels::PackTileRows(rows, n, k, t, packed.data());
+      kernels::PackedStoreFence();
+      EXPECT_EQ(std::memcmp(packed, oracle.data(), 4 * oracle.size()), 0) << (packed == buffer.data() ? "aligned" : "unaligned");
     }
-    EXPECT_EQ(std::memcmp(packed.data(), oracle.data(), 4 * oracle.size()), 0);
   }
 }
 
