@@ -314,9 +314,11 @@ class WeightUpdateStaging {
   /// Hashing on arrival: the tensor's checksum is computed over its written prefix [0, p) as
   /// that prefix grows. A write at byte p (chunks in order, what every client sends) is hashed
   /// block by block as received (fp32 sources are also checked for NaN/inf there), each block
-  /// then copied while in cache, with non-temporal stores; bytes written ahead of the prefix are
-  /// hashed from the staged copy once the gap before them is filled. Cost: one XXH3 pass and one
-  /// streaming copy of the bytes, plus O(log k + k) for k disjoint ranges already written.
+  /// then copied while in cache, with non-temporal stores, and (fp32 sources) handed to the
+  /// observer (StagingObserver::OnPrefix, blocks cut on its PrefixGrid), whose work it includes;
+  /// bytes written ahead of the prefix are hashed from the staged copy once the gap before them
+  /// is filled. Cost: one XXH3 pass and one streaming copy of the bytes, plus O(log k + k) for k
+  /// disjoint ranges already written.
   /// The write that completes a tensor also converts a 16-bit source to fp32 (one pass, as
   /// Verify would) and tells the observer (StagingObserver::OnStaged), whose work it includes.
   UpdateStatus Write(const std::string& name, uint64_t offset, const void* data, size_t num_bytes);

@@ -207,8 +207,11 @@ class WeightPrepackerFixture {
     }
   }
 
-  void WriteAll(const Chunking& chunking) {
-    for (size_t p = 0; p < params_.size(); ++p) {
+  /// Writes every named parameter, in parameter order or (reversed_tensors) the other way round:
+  /// then a tile spanning q, k and v is completed by q's rows rather than v's.
+  void WriteAll(const Chunking& chunking, bool reversed_tensors = false) {
+    for (size_t i = 0; i < params_.size(); ++i) {
+      const size_t p = reversed_tensors ? params_.size() - 1 - i : i;
       if (named_[p]) {
         ASSERT_NO_FATAL_FAILURE(Write(p, chunking, p));
       }
@@ -263,16 +266,20 @@ class WeightPrepackerFixture {
 class WeightPrepackerChunkTest : public ::testing::TestWithParam<size_t>, public WeightPrepackerFixture {};
 
 TEST_P(WeightPrepackerChunkTest, InOrderChunksPackEveryTileOfWholeRowStoragesOnArrivalBitIdentically) {
-  MakeUpdate(11, DType::kF32);
-  ASSERT_NO_FATAL_FAILURE(Begin({}, 1));
-  ASSERT_NO_FATAL_FAILURE(WriteAll({GetParam()}));
-  // Tiles of attn and big were packed as their rows arrived; odd (not whole rows) at completion.
-  EXPECT_EQ(prepacker_->num_tiles_packed_on_arrival(),
-            static_cast<uint64_t>(kernels::NumColumnTiles(84) + kernels::NumColumnTiles(2100)));
-  EXPECT_EQ(prepacker_->num_tiles_packed_at_completion(), 1u);
-  ASSERT_TRUE(staging_->Verify().ok());
-  EXPECT_TRUE(prepacker_->Prepared(staging_->transaction_id()));
-  ExpectSparesHoldTheUpdate();
+  for (const bool reversed_tensors : {false, true}) {
+    SCOPED_TRACE(reversed_tensors ? "tensors last to first" : "tensors first to last");
+    MakeUpdate(11, DType::kF32);
+    ASSERT_NO_FATAL_FAILURE(Begin({}, 1));
+    ASSERT_NO_FATAL_FAILURE(WriteAll({GetParam()}, reversed_tensors));
+    // Tiles of attn and big were packed as their rows arrived; odd (not whole rows) at completion.
+    EXPECT_EQ(prepacker_->num_tiles_packed_on_arrival(),
+              static_cast<uint64_t>(kernels::NumColumnTiles(84) + kernels::NumColumnTiles(2100)));
+    EXPECT_EQ(prepacker_->num_tiles_packed_at_completion(), 1u);
+    ASSERT_TRUE(staging_->Verify().ok());
+    EXPECT_TRUE(prepacker_->Prepared(staging_->transaction_id()));
+    ExpectSparesHoldTheUpdate();
+    staging_->Abort();
+  }
 }
 
 TEST_P(WeightPrepackerChunkTest, OutOfOrderChunksPackTheSameBits) {
@@ -282,7 +289,7 @@ TEST_P(WeightPrepackerChunkTest, OutOfOrderChunksPackTheSameBits) {
   for (const Chunking::Order order : orders) {
     MakeUpdate(12 + static_cast<int>(order), DType::kF32);
     ASSERT_NO_FATAL_FAILURE(Begin({}, 1));
-    ASSERT_NO_FATAL_FAILURE(WriteAll({GetParam(), order}));
+    ASSERT_NO_FATAL_FAILURE(WriteAll({GetParam(), order}, /*reversed_tensors=*/order == Chunking::Order::kShuffled));
     EXPECT_EQ(prepacker_->num_tiles_packed_on_arrival() + prepacker_->num_tiles_packed_at_completion(),
               static_cast<uint64_t>(kernels::NumColumnTiles(84) + kernels::NumColumnTiles(2100) + 1));
     ASSERT_TRUE(staging_->Verify().ok());
