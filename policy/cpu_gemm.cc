@@ -7,7 +7,10 @@
 // walk the packed weight once per call, so a decode step streams every weight from memory once
 // with no per-call repacking (what BLAS libraries do to unpacked weights on every GEMM).
 
+#include <xmmintrin.h>  // _mm_stream_ps, _mm_sfence: SSE, in every clone's ISA
+
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 
 #include <immintrin.h>
@@ -127,32 +130,71 @@ __attribute__((always_inline)) inline void Transpose16(Vec* v) {
   }
 }
 
-__attribute__((target_clones("avx512f", "fma", "default")))
-void PackWeight(const float* w, int64_t n, int64_t k, int64_t tile_begin, int64_t tile_end, float* packed) {
-  // 16 x 16 blocks: 16 source rows x 16 input features, transposed in registers and stored as
-  // 16 consecutive k steps of the panel (sequential reads and writes).
-  static const float kZeros[kPanel] = {};
-  for (int64_t p = tile_begin * kPanelsPerTile; p < tile_end * kPanelsPerTile; ++p) {
-    float* dst = packed + p * k * kPanel;
-    const float* rows[kPanel];
-    bool real[kPanel];
-    for (int64_t l = 0; l < kPanel; ++l) {
-      const int64_t row = p * kPanel + l;
-      real[l] = row < n;
-      rows[l] = real[l] ? w + row * k : kZeros;
-    }
-    int64_t kk = 0;
-    for (; kk + kPanel <= k; kk += kPanel) {
-      Vec v[kPanel];
-      for (int l = 0; l < kPanel; ++l) v[l] = real[l] ? Load(rows[l] + kk) : Vec{};
-      Transpose16(v);
+namespace {
+
+/// Stores the 64 bytes of v at p (64-byte aligned) with non-temporal stores: a whole cache line
+/// goes to memory without the line being read first (4 SSE stores, which every clone has).
+__attribute__((always_inline)) inline void StreamStore(float* p, const Vec& v) {
+  typedef float Vec4 __attribute__((vector_size(16)));
+  const Vec4 a = __builtin_shufflevector(v, v, 0, 1, 2, 3), b = __builtin_shufflevector(v, v, 4, 5, 6, 7);
+  const Vec4 c = __builtin_shufflevector(v, v, 8, 9, 10, 11), d = __builtin_shufflevector(v, v, 12, 13, 14, 15);
+  _mm_stream_ps(p, reinterpret_cast<__m128>(a));
+  _mm_stream_ps(p + 4, reinterpret_cast<__m128>(b));
+  _mm_stream_ps(p + 8, reinterpret_cast<__m128>(c));
+  _mm_stream_ps(p + 12, reinterpret_cast<__m128>(d));
+}
+
+/// Packs one panel: source rows rows[l] (k floats; null past row n: zeros) into dst, packed as
+/// dst[kk * 16 + l]. 16 x 16 blocks: 16 source rows x 16 input features, transposed in registers
+/// and stored as 16 consecutive k steps of the panel (sequential reads and writes). kStream: the
+/// whole 16-step blocks with non-temporal stores when dst is 64-byte aligned.
+template <bool kStream>
+__attribute__((always_inline)) inline void PackPanel(const float* const* rows, int64_t k, float* dst) {
+  const bool stream = kStream && reinterpret_cast<uintptr_t>(dst) % 64 == 0;
+  int64_t kk = 0;
+  for (; kk + kPanel <= k; kk += kPanel) {
+    Vec v[kPanel];
+    for (int l = 0; l < kPanel; ++l) v[l] = rows[l] != nullptr ? Load(rows[l] + kk) : Vec{};
+    Transpose16(v);
+    if (stream) {
+      for (int c = 0; c < kPanel; ++c) StreamStore(dst + (kk + c) * kPanel, v[c]);
+    } else {
       for (int c = 0; c < kPanel; ++c) Store(dst + (kk + c) * kPanel, v[c]);
     }
-    for (; kk < k; ++kk) {
-      for (int64_t l = 0; l < kPanel; ++l) dst[kk * kPanel + l] = real[l] ? rows[l][kk] : 0.0f;
-    }
+  }
+  for (; kk < k; ++kk) {
+    for (int64_t l = 0; l < kPanel; ++l) dst[kk * kPanel + l] = rows[l] != nullptr ? rows[l][kk] : 0.0f;
   }
 }
+
+}  // namespace
+
+__attribute__((target_clones("avx512f", "fma", "default")))
+void PackWeight(const float* w, int64_t n, int64_t k, int64_t tile_begin, int64_t tile_end, float* packed) {
+  for (int64_t p = tile_begin * kPanelsPerTile; p < tile_end * kPanelsPerTile; ++p) {
+    const float* rows[kPanel];
+    for (int64_t l = 0; l < kPanel; ++l) {
+      const int64_t row = p * kPanel + l;
+      rows[l] = row < n ? w + row * k : nullptr;
+    }
+    PackPanel<false>(rows, k, packed + p * k * kPanel);
+  }
+}
+
+__attribute__((target_clones("avx512f", "fma", "default")))
+void PackTileRows(const float* const* rows, int64_t n, int64_t k, int64_t tile, float* packed) {
+  const int64_t num_rows = std::min(kTileCols, n - tile * kTileCols);
+  for (int64_t q = 0; q < kPanelsPerTile; ++q) {
+    const float* panel_rows[kPanel];
+    for (int64_t l = 0; l < kPanel; ++l) {
+      const int64_t i = q * kPanel + l;
+      panel_rows[l] = i < num_rows ? rows[i] : nullptr;
+    }
+    PackPanel<true>(panel_rows, k, packed + (tile * kPanelsPerTile + q) * k * kPanel);
+  }
+}
+
+void PackedStoreFence() { _mm_sfence(); }
 
 __attribute__((target_clones("avx512f", "fma", "default")))
 void LinearTiles(const float* x, int64_t m, int64_t k, const float* packed, int64_t n, const float* bias, float* y,

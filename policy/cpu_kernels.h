@@ -35,6 +35,19 @@ inline int64_t PackedSize(int64_t n, int64_t k) { return NumColumnTiles(n) * kTi
 /// independent, so callers may pack ranges in parallel.
 void PackWeight(const float* w, int64_t n, int64_t k, int64_t tile_begin, int64_t tile_end, float* packed);
 
+/// Packs column tile `tile` of an [n, k] weight given row by row, into the same place and with
+/// the same bits as PackWeight(w, n, k, tile, tile + 1, packed): rows[i] holds the k floats of
+/// row tile * 32 + i, for i in [0, min(32, n - tile * 32)) (rows past n are packed as zeros and
+/// not read). The rows may lie anywhere (e.g. some in a cache-hot received block, the others in
+/// the staged matrix). Where `packed` is 64-byte aligned (PackedSize buffers from LibTorch or
+/// aligned_alloc) the tile is written with non-temporal stores, straight to memory without
+/// reading its lines first: call PackedStoreFence before another thread may read it.
+void PackTileRows(const float* const* rows, int64_t n, int64_t k, int64_t tile, float* packed);
+
+/// Orders PackTileRows' non-temporal stores before every later store of the calling thread
+/// (an sfence): call it before handing the packed buffer to another thread.
+void PackedStoreFence();
+
 /// y[i, j] = sum_kk x[i, kk] * w[j, kk] (+ bias[j]) (+ y[i, j] when accumulate), for rows
 /// i in [0, m) and the output columns of tiles [tile_begin, tile_end).
 ///   x: [m, k] row-major, row stride k;  packed: PackWeight of w [n, k];  bias: [n] or null;

@@ -372,6 +372,8 @@ UpdateStatus WeightUpdateStaging::Begin(const UpdateManifest& manifest, PolicyVe
     slot.values_checksum = 0;
     slot.finalized = false;
     slot.source_digest = 0;
+    slot.num_prefix_elems = 0;
+    slot.grid = {};
   }
   static std::atomic<uint64_t> next_transaction_id{1};
   transaction_id_ = next_transaction_id.fetch_add(1, std::memory_order_relaxed);
@@ -380,6 +382,7 @@ UpdateStatus WeightUpdateStaging::Begin(const UpdateManifest& manifest, PolicyVe
     std::vector<size_t> indices = manifest_slots_;
     std::sort(indices.begin(), indices.end());
     observer_->OnBegin(transaction_id_, indices);
+    for (size_t index : indices) slots_[index].grid = observer_->PrefixGridOf(index);
   }
   return UpdateStatus::Ok();
 }
@@ -444,14 +447,27 @@ UpdateStatus WeightUpdateStaging::Write(const std::string& name, uint64_t offset
     written.insert(next, {begin, end});
   }
   // Stage. When the write extends the hashed prefix, go block by block: hash (and check) the block
-  // as received, then copy it while it is still in cache.
+  // as received, then copy it while it is still in cache; the fp32 values of the block are then
+  // final, and the observer works on them from the received (hot) bytes. fp32 blocks end on the
+  // observer's grid (StagingObserver::PrefixGrid), in bytes.
   uint8_t* staged = SourceBytes(slot);
   const uint8_t* in = static_cast<const uint8_t*>(data);
+  const bool fp32 = slot.dtype == DType::kF32;
   if (begin == slot.num_hashed_bytes) {
-    for (uint64_t pos = begin; pos < end; pos += kHashBlockBytes) {
-      const uint64_t block_end = std::min<uint64_t>(end, pos + kHashBlockBytes);
+    for (uint64_t pos = begin; pos < end;) {
+      const uint64_t block_end = fp32 ? std::min<uint64_t>(end, NextBlockEnd(slot, pos / sizeof(float)) * sizeof(float))
+                                      : std::min<uint64_t>(end, pos + kHashBlockBytes);
       HashPrefix(slot, block_end, in + (pos - begin));
       StreamingCopy(staged + pos, in + (pos - begin), block_end - pos);
+      if (fp32 && observer_ != nullptr) {
+        // The values [num_prefix_elems, block_end / 4) lie in the received bytes unless the first
+        // one was split by the write's start (then, or when misaligned, read the staged copy).
+        const uint64_t first_byte = slot.num_prefix_elems * sizeof(float);
+        const uint8_t* hot = first_byte >= begin ? in + (first_byte - begin) : nullptr;
+        if (reinterpret_cast<uintptr_t>(hot) % alignof(float) != 0) hot = nullptr;
+        ReportPrefix(it->second, block_end / sizeof(float), reinterpret_cast<const float*>(hot));
+      }
+      pos = block_end;
     }
   } else {
     StreamingCopy(staged + begin, in, num_bytes);
@@ -460,6 +476,7 @@ UpdateStatus WeightUpdateStaging::Write(const std::string& name, uint64_t offset
   // Bytes written earlier right after this write (out of order) join the prefix now.
   if (written.front().first == 0 && written.front().second > slot.num_hashed_bytes) {
     HashPrefix(slot, written.front().second);
+    if (fp32) ReportPrefix(it->second, slot.num_hashed_bytes / sizeof(float));
   }
   if (written.size() == 1 && written[0].first == 0 && written[0].second == slot.num_bytes) Finalize(it->second);
   return UpdateStatus::Ok();
@@ -478,9 +495,8 @@ void WeightUpdateStaging::Finalize(size_t index) {
     const uint8_t* in = slot.raw.data();
     const bool half = slot.dtype == DType::kF16;
     VROLL_CHECK(XXH3_64bits_reset(slot.hash.get()) == XXH_OK, "XXH3_64bits_reset failed");
-    constexpr uint64_t kBlockElems = kHashBlockBytes / sizeof(float);
-    for (uint64_t begin = 0; begin < slot.numel; begin += kBlockElems) {
-      const uint64_t end = std::min(slot.numel, begin + kBlockElems);
+    for (uint64_t begin = 0, end = 0; begin < slot.numel; begin = end) {
+      end = NextBlockEnd(slot, begin);
       if (half) {
         for (uint64_t i = begin; i < end; ++i) out[i] = HalfToFloat(LoadU16(in + 2 * i));
       } else {
@@ -491,11 +507,35 @@ void WeightUpdateStaging::Finalize(size_t index) {
         const uint64_t first = FirstNonFinite(reinterpret_cast<const uint8_t*>(out + begin), end - begin);
         if (first != kNoElement) slot.first_nonfinite = begin + first;
       }
+      ReportPrefix(index, end, out + begin);
     }
     slot.values_checksum = XXH3_64bits_digest(slot.hash.get());
   }
+  ReportPrefix(index, slot.numel);  // fp32: every value already joined the prefix in Write
   slot.finalized = true;
   if (observer_ != nullptr) observer_->OnStaged(index, Values(slot));
+}
+
+uint64_t WeightUpdateStaging::NextBlockEnd(const Slot& slot, uint64_t elem) {
+  const StagingObserver::PrefixGrid& grid = slot.grid;
+  uint64_t next = 0;
+  if (grid.step_elems == 0) {
+    next = elem + kHashBlockBytes / sizeof(float);
+  } else if (elem < grid.first_elems) {
+    next = grid.first_elems;
+  } else {
+    next = grid.first_elems + ((elem - grid.first_elems) / grid.step_elems + 1) * grid.step_elems;
+  }
+  return std::min(next, slot.numel);
+}
+
+void WeightUpdateStaging::ReportPrefix(size_t index, uint64_t elem_end, const float* values) {
+  Slot& slot = slots_[index];
+  if (observer_ == nullptr || elem_end <= slot.num_prefix_elems) return;
+  const float* staged = Values(slot);
+  observer_->OnPrefix(index, slot.num_prefix_elems, elem_end, staged,
+                      values != nullptr ? values : staged + slot.num_prefix_elems);
+  slot.num_prefix_elems = elem_end;
 }
 
 void WeightUpdateStaging::HashPrefix(Slot& slot, uint64_t end, const uint8_t* bytes) {

@@ -208,24 +208,58 @@ struct VerifiedTensor {
 };
 
 /// Told about a WeightUpdateStaging's transaction as it goes, so that work on the staged values
-/// (packing them for the CPU GEMM: policy/weight_prepack.h) overlaps the transfer of the rest.
-/// Every call comes from the staging's owner thread, inside the staging call named beside it; an
-/// observer must not call back into the staging. Nothing an observer sees is verified before
-/// OnVerified: it works on staging memory only and publishes nothing.
+/// (packing them for the CPU GEMM: policy/weight_prepack.h) overlaps the transfer of the rest,
+/// and can be done on each block of values while it is still in cache. Every call comes from the
+/// staging's owner thread, inside the staging call named beside it; an observer must not call
+/// back into the staging. Nothing an observer sees is verified before OnVerified: it works on
+/// staging memory only and publishes nothing.
 ///
-///   Begin ok -> OnBegin
+///   Begin ok -> OnBegin, then PrefixGridOf for each manifest parameter
+///   Write (or Verify) growing a parameter's final fp32 prefix -> OnPrefix, block by block
 ///   Write completing a tensor (or Verify, for one never completed by a write) -> OnStaged
 ///   Verify ok -> OnVerified
 ///   Abort / Finish / the Abort that opens a Begin -> OnEnd (also when no transaction was open)
+///
+/// The final prefix of a parameter: elements [0, e) whose fp32 values lie final in its staged
+/// buffer. For an fp32 source it grows as bytes join the written prefix [0, p) (e = p / 4): block
+/// by block as an in-order write is hashed and copied, the value block then being the received
+/// bytes (cache-hot); or at once when a write fills the gap before bytes written ahead (the
+/// values then read from the staged buffer). For an fp16/bf16 source it grows only when the
+/// tensor is complete, block by block as Finalize converts it (the converted block, hot).
+/// Blocks end on the parameter's PrefixGrid where they can (an in-order write of one chunk
+/// yields whole grid blocks, plus partial ones at the chunk's ends).
+///
+///   staged  [0 ........ elem_begin)[elem_begin .... elem_end)[ ... not final yet ... numel)
+///           reported before          this OnPrefix: values[0, elem_end - elem_begin)
 class StagingObserver {
  public:
+  /// Where the staging cuts a parameter's final prefix into OnPrefix blocks: at elements
+  /// first_elems + j * step_elems (j >= 0), besides 0 and numel. step_elems == 0: the staging's
+  /// own blocks (about 128 KiB).
+  struct PrefixGrid {
+    uint64_t first_elems = 0;
+    uint64_t step_elems = 0;
+  };
+
   virtual ~StagingObserver() = default;
   /// A transaction `transaction_id` (WeightUpdateStaging::transaction_id) opened; it names the
   /// parameters `manifest_params` (indices into params(), ascending).
   virtual void OnBegin(uint64_t transaction_id, const std::vector<size_t>& manifest_params) = 0;
+  /// The grid for parameter `index` in the transaction just begun (asked once per manifest
+  /// parameter, after OnBegin). Default: the staging's own blocks.
+  virtual PrefixGrid PrefixGridOf(size_t /*index*/) { return {}; }
+  /// Parameter `index`'s final prefix grew from elem_begin to elem_end elements (see above):
+  /// `staged` is its staged buffer (numel floats; elements [0, elem_end) final there until the
+  /// transaction ends), `values` holds elements [elem_begin, elem_end) with the same bits,
+  /// possibly a cache-hot copy valid only during the call (it may be staged + elem_begin).
+  /// Reported in increasing, contiguous ranges, before the OnStaged of the parameter. Default:
+  /// ignored.
+  virtual void OnPrefix(size_t /*index*/, uint64_t /*elem_begin*/, uint64_t /*elem_end*/, const float* /*staged*/,
+                        const float* /*values*/) {}
   /// Parameter `index` is complete: its fp32 values (converted from a 16-bit source) lie final at
   /// `values` (numel floats, the staged buffer) and stay there until the transaction ends. Once
-  /// per manifest parameter; its checksum is checked only by Verify.
+  /// per manifest parameter, after OnPrefix reported all of them; its checksum is checked only
+  /// by Verify.
   virtual void OnStaged(size_t index, const float* values) = 0;
   /// Verify succeeded: every manifest parameter was reported by OnStaged.
   virtual void OnVerified() = 0;
@@ -280,9 +314,11 @@ class WeightUpdateStaging {
   /// Hashing on arrival: the tensor's checksum is computed over its written prefix [0, p) as
   /// that prefix grows. A write at byte p (chunks in order, what every client sends) is hashed
   /// block by block as received (fp32 sources are also checked for NaN/inf there), each block
-  /// then copied while in cache, with non-temporal stores; bytes written ahead of the prefix are
-  /// hashed from the staged copy once the gap before them is filled. Cost: one XXH3 pass and one
-  /// streaming copy of the bytes, plus O(log k + k) for k disjoint ranges already written.
+  /// then copied while in cache, with non-temporal stores, and (fp32 sources) handed to the
+  /// observer (StagingObserver::OnPrefix, blocks cut on its PrefixGrid), whose work it includes;
+  /// bytes written ahead of the prefix are hashed from the staged copy once the gap before them
+  /// is filled. Cost: one XXH3 pass and one streaming copy of the bytes, plus O(log k + k) for k
+  /// disjoint ranges already written.
   /// The write that completes a tensor also converts a 16-bit source to fp32 (one pass, as
   /// Verify would) and tells the observer (StagingObserver::OnStaged), whose work it includes.
   UpdateStatus Write(const std::string& name, uint64_t offset, const void* data, size_t num_bytes);
@@ -376,6 +412,10 @@ class WeightUpdateStaging {
     // kept in source_digest for Verify.
     bool finalized = false;
     uint64_t source_digest = 0;
+    // The final fp32 prefix [0, num_prefix_elems) reported to the observer (OnPrefix), and the
+    // observer's grid for it (step 0: kHashBlockBytes blocks).
+    uint64_t num_prefix_elems = 0;
+    StagingObserver::PrefixGrid grid;
   };
 
   /// Makes a complete slot's fp32 values final: converts a 16-bit source (hashing and checking
@@ -386,6 +426,14 @@ class WeightUpdateStaging {
   /// elements that became whole. `bytes` holds those bytes (the chunk as received); null: read
   /// them from the staged copy (all written).
   static void HashPrefix(Slot& slot, uint64_t end, const uint8_t* bytes = nullptr);
+
+  /// End of the block that starts at element `elem` of the slot's final prefix: the next grid
+  /// point after it (or elem + kHashBlockBytes / 4 without a grid), at most numel.
+  static uint64_t NextBlockEnd(const Slot& slot, uint64_t elem);
+
+  /// Reports the slot's final prefix growing to `elem_end` to the observer; `values` holds
+  /// elements [num_prefix_elems, elem_end) (null: read them from the staged buffer).
+  void ReportPrefix(size_t index, uint64_t elem_end, const float* values = nullptr);
 
   UpdateStatus Poison(std::string cause);
   UpdateStatus CheckManifest(const UpdateManifest& manifest, PolicyVersion current_version);
