@@ -13,8 +13,6 @@
 #include <cstdint>
 #include <cstring>
 
-#include <immintrin.h>
-
 #include "policy/cpu_kernels.h"
 
 namespace vroll::policy::kernels {
