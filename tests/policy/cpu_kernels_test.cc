@@ -42,8 +42,8 @@ std::vector<double> Reference(const std::vector<float>& x, const std::vector<flo
 }
 
 TEST(CpuGemmTest, MatchesDoublePrecisionOnEdgeShapes) {
-  // Row counts around the 12-row tile, column counts around the 32-column tile, odd k.
-  for (int64_t m : {1, 5, 11, 12, 13, 25, 40}) {
+  // Row counts around the 14-row register block, column counts around the 32-column tile, odd k.
+  for (int64_t m : {1, 5, 13, 14, 15, 27, 29, 43}) {
     for (int64_t n : {1, 16, 31, 32, 33, 70}) {
       for (int64_t k : {1, 7, 64, 173}) {
         const auto x = Random(m * k, 1), w = Random(n * k, 2), bias = Random(n, 3);
@@ -86,7 +86,7 @@ TEST(CpuGemmTest, EveryRowIsBitwiseIndependentOfTheBatchAndTheTileSplit) {
   // Every sub-batch [begin, begin + len) gives the same bits for its rows, also when the column
   // tiles are computed by separate calls (as separate threads do).
   for (int64_t begin : {0, 3, 12, 30}) {
-    for (int64_t len : {int64_t{1}, int64_t{2}, int64_t{7}, int64_t{12}, m - begin}) {
+    for (int64_t len : {int64_t{1}, int64_t{2}, int64_t{7}, int64_t{12}, int64_t{14}, int64_t{15}, m - begin}) {
       if (begin + len > m) continue;
       std::vector<float> part(len * n);
       for (int64_t t = 0; t < NumColumnTiles(n); ++t) {
