@@ -2,7 +2,7 @@
 // the generation stall an update causes. Prints markdown tables to stdout (logs: stderr).
 //
 //   vroll_update_bench [--sizes 60,440] [--transports tcp,ipc] [--reps 5] [--updates 5]
-//                      [--chunk-mb 16] [--mode drain] [--no-stall] [--no-swap] [--no-prepack] [--verbose]
+//                      [--chunk-mb 4] [--mode drain] [--no-stall] [--no-swap] [--no-prepack] [--verbose]
 //                      [--quick]
 //
 // For each model size (a random Llama, vocab 32000, whose fp32 weights are ~60 MiB / ~440 MiB)
@@ -297,7 +297,7 @@ struct Options {
   int reps = 5;
   int num_updates = 5;
   int num_in_flight = 32;
-  size_t chunk_bytes = size_t{16} << 20;
+  size_t chunk_bytes = size_t{4} << 20;  // the clients' default
   InFlightMode mode = InFlightMode::kDrain;
   double steady_seconds = 2.0;
   bool stall = true;     ///< false: throughput only (for profiling the transfer path)
@@ -456,7 +456,7 @@ int main(int argc, char** argv) {
   setenv("VROLL_LOG_LEVEL", "warn", /*overwrite=*/0);  // the engine logs every update at info
   std::string sizes_arg = "60,440", transports_arg = "tcp,ipc", mode_name = "drain";
   Options opt;
-  int chunk_mb = 16;
+  int chunk_mb = 4;
   bool quick = false, no_stall = false, no_swap = false, no_prepack = false;
   CLI::App app{"vroll weight-update benchmark: update throughput vs raw ZeroMQ, and generation stall"};
   app.add_option("--sizes", sizes_arg, "model sizes, MiB of fp32 weights (comma-separated)")->capture_default_str();
@@ -465,7 +465,7 @@ int main(int argc, char** argv) {
   app.add_option("--updates", opt.num_updates, "updates pushed while generating, per cell")->capture_default_str();
   app.add_option("--in-flight", opt.num_in_flight, "requests the generating client keeps on the worker")
       ->capture_default_str();
-  app.add_option("--chunk-mb", chunk_mb, "MiB per update_chunk frame (the client's default is 16)")
+  app.add_option("--chunk-mb", chunk_mb, "MiB per update_chunk frame (the clients' default is 4)")
       ->capture_default_str();
   app.add_option("--mode", mode_name, "in-flight mode of the updates pushed while generating")->capture_default_str();
   app.add_flag("--verbose", opt.verbose, "per-push timings on stderr");

@@ -66,7 +66,7 @@ struct TensorBytes {
 struct PushOptions {
   rollout::InFlightMode mode = rollout::InFlightMode::kDrain;
   bool partial = false;                      ///< true: the tensors may be a subset of the model's
-  size_t chunk_bytes = size_t{16} << 20;     ///< bytes per update_chunk frame
+  size_t chunk_bytes = size_t{4} << 20;      ///< bytes per update_chunk frame (see docs/PROTOCOL.md, Limits)
   /// false: stop after verification (ack stage "verified"), for a two-phase push to several
   /// workers; then ApplyUpdate(update_id) on each.
   bool apply = true;

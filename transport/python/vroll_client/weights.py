@@ -28,7 +28,9 @@ from typing import Any, List, Mapping, Tuple
 import numpy as np
 import xxhash
 
-DEFAULT_CHUNK_BYTES = 16 << 20
+# 4 MiB: the worker hashes, stages and packs a chunk only once it has all of it, so smaller chunks
+# overlap that work with the transfer better (and stay in cache); see docs/PROTOCOL.md, Limits.
+DEFAULT_CHUNK_BYTES = 4 << 20
 
 
 def _is_torch_tensor(value: Any) -> bool:
