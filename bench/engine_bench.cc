@@ -172,6 +172,11 @@ int main(int argc, char** argv) {
       const double gflops = tps * FlopsPerToken(ckpt.config, prompt_len + new_tokens / 2.0) / 1e9;
       std::printf("| %s | %d | %.0f | %.1f | %.0f%% | %ld |\n", name.c_str(), b, tps, gflops,
                   100 * gflops / blas.gemm_gflops, static_cast<long>(r.stats.num_steps));
+      if (b >= 64) {
+        std::printf("|   time split | schedule %.2fs, forward %.2fs, sample %.2fs, commit %.2fs of %.2fs in steps | | | | |\n",
+                    r.stats.schedule_seconds, r.stats.forward_seconds, r.stats.sample_seconds,
+                    r.stats.commit_seconds, r.stats.busy_seconds);
+      }
       std::fflush(stdout);
       csv << name << "," << b << "," << tps << "," << gflops << "," << gflops / blas.gemm_gflops << "\n";
     }
