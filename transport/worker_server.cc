@@ -12,6 +12,7 @@
 #include <optional>
 #include <thread>
 #include <unordered_map>
+#include <unordered_set>
 #include <variant>
 
 #include <fmt/format.h>
@@ -229,6 +230,9 @@ struct WorkerServer::Impl {
     router.set(zmq::sockopt::linger, config.linger_ms);
     router.set(zmq::sockopt::maxmsgsize, 2 * config.max_message_bytes);
     router.set(zmq::sockopt::sndhwm, config.send_high_water_mark);
+    // A send to a client whose connection is gone fails (EHOSTUNREACH) instead of vanishing: that
+    // is how the worker learns that a client left and aborts its unfinished requests (OnPeerGone).
+    router.set(zmq::sockopt::router_mandatory, 1);
     if (config.curve.enabled()) {
       router.set(zmq::sockopt::curve_server, 1);
       router.set(zmq::sockopt::zap_domain, "vroll");
@@ -398,11 +402,49 @@ struct WorkerServer::Impl {
   void Send(const std::string& peer, const WorkerMessage& message) {
     const std::string bytes = EncodeWorkerMessage(message);
     try {
-      router.send(zmq::buffer(peer), zmq::send_flags::sndmore | zmq::send_flags::dontwait);
+      // The routing frame decides: a full queue (send_high_water_mark) answers EAGAIN (an empty
+      // result) and nothing is sent; a peer that is gone throws EHOSTUNREACH.
+      if (!router.send(zmq::buffer(peer), zmq::send_flags::sndmore | zmq::send_flags::dontwait)) {
+        log.debug("reply {} to peer {} dropped: its queue is full (send_high_water_mark = {})", TypeName(message),
+                  Hex(peer), config.send_high_water_mark);
+        return;
+      }
       router.send(zmq::buffer(bytes), zmq::send_flags::dontwait);
     } catch (const zmq::error_t& e) {
-      log.warn("reply {} to peer {} not sent: {}", TypeName(message), Hex(peer), e.what());
+      if (e.num() == EHOSTUNREACH) {
+        OnPeerGone(peer);
+      } else {
+        log.warn("reply {} to peer {} not sent: {}", TypeName(message), Hex(peer), e.what());
+      }
     }
+  }
+
+  /// A send found `peer`'s connection gone (closed, crashed, or replaced by a reconnect under a
+  /// new routing id): nobody can receive its results any more, so its unfinished requests are
+  /// aborted rather than computed for nothing. Their "aborted" samples then end each request as
+  /// usual (every accepted request still gets exactly one result per sample; these are dropped).
+  void OnPeerGone(const std::string& peer) {
+    auto count = live_per_peer.find(peer);
+    if (count == live_per_peer.end() || !gone_peers.insert(peer).second) return;  // nothing left, or done
+    std::unordered_map<std::string, bool> aborted;
+    for (const auto& [ticket, r] : live) {
+      if (r.peer == peer && aborted.emplace(r.engine_request_id, true).second) engine.Abort(r.engine_request_id);
+    }
+    log.info("peer {} is gone (its connection closed); aborted its {} unfinished requests", Hex(peer), aborted.size());
+  }
+
+  /// Bookkeeping of live requests per peer (OnPeerGone).
+  void AddLive(uint64_t ticket, LiveRequest r) {
+    ++live_per_peer[r.peer];
+    live.emplace(ticket, std::move(r));
+  }
+  void EraseLive(std::unordered_map<uint64_t, LiveRequest>::iterator it) {
+    auto count = live_per_peer.find(it->second.peer);
+    if (count != live_per_peer.end() && --count->second == 0) {
+      gone_peers.erase(it->second.peer);
+      live_per_peer.erase(count);
+    }
+    live.erase(it);
   }
 
   void SendError(const std::string& peer, const std::string& id, ErrorCode code, std::string field,
@@ -541,7 +583,7 @@ struct WorkerServer::Impl {
       }
     }
     Send(peer, AcceptedMsg{live_request.id, live_request.request_id, engine.policy_version()});
-    live.emplace(ticket, std::move(live_request));
+    AddLive(ticket, std::move(live_request));
   }
 
   void On(const std::string& peer, AbortMsg& m) {
@@ -821,8 +863,10 @@ struct WorkerServer::Impl {
     }
     LiveRequest& r = it->second;
     s.result.request_id = r.request_id;
-    Send(r.peer, SampleMsg{r.id, std::move(s.result)});
-    if (++r.num_sent >= r.n) live.erase(it);
+    const std::string peer = r.peer;
+    SampleMsg sample{r.id, std::move(s.result)};
+    if (++r.num_sent >= r.n) EraseLive(it);  // first: a failed send then counts only what is left
+    Send(peer, sample);
   }
 
   void DeliverUpdate(UpdateEvent& e) {
@@ -892,6 +936,8 @@ struct WorkerServer::Impl {
   // Socket thread only (the constructor's thread until Run).
   zmq::socket_t router;
   std::unordered_map<uint64_t, LiveRequest> live;  // by ticket
+  std::unordered_map<std::string, int> live_per_peer;  // peer -> its entries in `live` (> 0)
+  std::unordered_set<std::string> gone_peers;          // peers whose requests OnPeerGone aborted
   uint64_t next_ticket = 1;
   std::shared_ptr<policy::WeightUpdateStaging> staging;  // the engine reads it while kApplying
   std::optional<OpenUpdate> update;

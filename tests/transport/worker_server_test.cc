@@ -341,6 +341,54 @@ TEST(WorkerServerTest, AClientDisconnectingMidStreamDoesNotDisturbTheOthers) {
   EXPECT_TRUE(staying->Health().ok);
 }
 
+TEST(WorkerServerTest, AGoneClientsUnfinishedRequestsAreAborted) {
+  // A client sends one short and three long requests and leaves. When the worker next sends it a
+  // result (the short one's sample) the send finds the connection gone, and the long requests are
+  // aborted instead of computed for nobody. Oracle: the tokens the four requests generate in an
+  // independent in-process engine when nobody leaves.
+  std::vector<Request> requests = {MakeRequest("short", {1, 9, 9, 9}, 1, 0.8, 1, 1)};
+  for (int i = 0; i < 3; ++i) {
+    requests.push_back(MakeRequest(fmt::format("long{}", i), {1, 7, 7, 7 + i}, 250, 0.8, 1, 10 + i));
+  }
+  int64_t full_tokens = 0;
+  for (const SampleResult& s : InProcess(requests)) {
+    if (s.request_id != "short") ASSERT_GE(s.output_ids.size(), 200u) << s.request_id << " stops early";
+    full_tokens += static_cast<int64_t>(s.output_ids.size());
+  }
+  WorkerHarness worker;
+  auto trainer = Connect(worker.endpoint());
+  // The close reaches the worker's socket asynchronously; if the short sample went out before it
+  // did, nothing is aborted in that attempt (the test then tries again, a few times at most).
+  int64_t generated = 0;
+  for (int attempt = 0; attempt < 5; ++attempt) {
+    trainer->Pause();
+    const rollout::EngineStats before = trainer->Stats();
+    {
+      ClientOptions options;
+      options.linger_ms = 0;
+      auto leaving = Connect(worker.endpoint(), options);
+      for (const Request& r : requests) {
+        leaving->Send(GenerateMsg{"g-" + r.request_id, r});
+        (void)NextAs<AcceptedMsg>(*leaving);
+      }
+    }  // gone, with four requests accepted and none started
+    (void)trainer->Health();
+    trainer->Resume();
+    const rollout::EngineStats after = StatsWhen(*trainer, [&](const rollout::EngineStats& e) {
+      return e.num_finished_samples >= before.num_finished_samples + 4;
+    });
+    generated = after.num_generated_tokens - before.num_generated_tokens;
+    if (generated < full_tokens) break;
+  }
+  // Aborted at the short sample: far fewer tokens than the long requests would have generated.
+  EXPECT_LT(generated, full_tokens / 2) << "of " << full_tokens;
+  EXPECT_TRUE(trainer->Health().ok);
+  // The worker serves on: a new client gets the same samples as the in-process engine.
+  auto staying = Connect(worker.endpoint());
+  const std::vector<Request> after_requests = SeededRequests("after", 3, 2);
+  ExpectSameSamples(staying->Generate(after_requests), InProcess(after_requests), 0);
+}
+
 /// The default model's weights drawn with another seed, as a new policy.
 const policy::Checkpoint& NewPolicy() {
   static const policy::Checkpoint ckpt = policy::MakeDefaultCheckpoint(7);
