@@ -38,6 +38,25 @@ WeightPrepacker::WeightPrepacker(size_t num_params, std::vector<PrepackGroup> gr
       group_of_param_[p] = static_cast<int>(g);
       slot_in_group_[p] = i;
     }
+    // The views tile the storage exactly: sorted by offset, each starts where the previous one
+    // ends, from 0 to numel (a gap would be swapped and packed with stale values, an overlap
+    // staged twice).
+    std::vector<size_t> order(group.params.size());
+    for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+    std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return group.offsets[a] < group.offsets[b]; });
+    uint64_t end = 0;
+    for (size_t i : order) {
+      if (group.offsets[i] != end) {
+        throw WeightUpdateError(fmt::format(
+            "WeightPrepacker: group {}: parameter {} starts at float {}, but the views before it end at {} ({})", g,
+            group.params[i], group.offsets[i], end, group.offsets[i] > end ? "a gap" : "an overlap"));
+      }
+      end += group.numels[i];
+    }
+    if (end != group.numel) {
+      throw WeightUpdateError(
+          fmt::format("WeightPrepacker: group {}: its views cover {} of the storage's {} floats", g, end, group.numel));
+    }
   }
   packs_by_tile_.assign(groups_.size(), false);
   tile_packed_.resize(groups_.size());

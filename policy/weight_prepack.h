@@ -85,7 +85,8 @@ class WeightPrepacker final : public StagingObserver {
  public:
   /// `num_params`: the model's parameter count; `groups`: disjoint parameter sets. A parameter
   /// in no group cannot be prepacked: an update naming it is left to the applier's fallback.
-  /// Throws WeightUpdateError on a parameter index out of range or in two groups.
+  /// Throws WeightUpdateError on a parameter index out of range or in two groups, or a group
+  /// whose views do not tile its storage exactly (a gap, an overlap, or a size mismatch).
   WeightPrepacker(size_t num_params, std::vector<PrepackGroup> groups);
 
   /// Points the groups at their memory (parallel to groups()). Not during a transaction.

@@ -379,6 +379,40 @@ TEST_F(WeightPrepackerTest, AbortOrFailedVerifyAfterSomeTilesWerePackedLeavesCur
   ExpectSparesHoldTheUpdate();
 }
 
+TEST(WeightPrepackerConstructionTest, RefusesGroupsWhoseViewsDoNotTileTheirStorage) {
+  // A [4, 8] storage (32 floats) tiled by two views of 16 floats: accepted in either order.
+  auto group = [](std::vector<uint64_t> offsets, std::vector<uint64_t> numels, uint64_t numel) {
+    PrepackGroup g;
+    g.params = {0, 1};
+    g.offsets = std::move(offsets);
+    g.numels = std::move(numels);
+    g.numel = numel;
+    g.pack_rows = static_cast<int64_t>(numel / 8);
+    g.pack_cols = 8;
+    return g;
+  };
+  EXPECT_NO_THROW(WeightPrepacker(2, {group({0, 16}, {16, 16}, 32)}));
+  EXPECT_NO_THROW(WeightPrepacker(2, {group({16, 0}, {16, 16}, 32)}));
+  auto refused = [](const PrepackGroup& g) {
+    try {
+      WeightPrepacker prepacker(2, {g});
+    } catch (const WeightUpdateError& e) {
+      return std::string(e.what());
+    }
+    return std::string("accepted");
+  };
+  EXPECT_NE(refused(group({0, 24}, {16, 8}, 32)).find("starts at float 24, but the views before it end at 16 (a gap)"),
+            std::string::npos)
+      << refused(group({0, 24}, {16, 8}, 32));
+  EXPECT_NE(refused(group({0, 8}, {16, 24}, 32)).find("(an overlap)"), std::string::npos)
+      << refused(group({0, 8}, {16, 24}, 32));
+  EXPECT_NE(refused(group({8, 24}, {16, 8}, 32)).find("starts at float 8, but the views before it end at 0"),
+            std::string::npos)
+      << refused(group({8, 24}, {16, 8}, 32));
+  EXPECT_NE(refused(group({0, 16}, {16, 8}, 32)).find("cover 24 of the storage's 32 floats"), std::string::npos)
+      << refused(group({0, 16}, {16, 8}, 32));
+}
+
 TEST(PackTileRowsTest, EqualsPackWeightTileByTileFromScatteredRowsAlignedOrNot) {
   for (const auto& [n, k] : std::vector<std::pair<int64_t, int64_t>>{{1, 1}, {31, 17}, {32, 16}, {70, 20}, {100, 64}}) {
     SCOPED_TRACE(std::to_string(n) + " x " + std::to_string(k));
