@@ -81,7 +81,18 @@ int main(int argc, char** argv) {
     params.Validate(ckpt.config.vocab_size);
 
     vroll::policy::ModelOptions options;
-    options.device = c10::Device(device_name);
+    try {  // a device this LibTorch build has (e.g. no cuda on Debian's CPU build)
+      options.device = c10::Device(device_name);
+      if (options.device.is_cuda() && !at::hasCUDA()) {
+        log.error("--device {}: this LibTorch build has no CUDA support (Debian's libtorch is CPU-only)", device_name);
+        return 2;
+      }
+      (void)at::empty({1}, at::TensorOptions().device(options.device));
+    } catch (const c10::Error& e) {
+      const std::string message = e.what_without_backtrace();
+      log.error("--device {}: {}", device_name, message.substr(0, message.find('\n')));
+      return 2;
+    }
     options.batch_invariant = false;  // one sequence: nothing to be invariant to
     vroll::policy::LlamaModel model(ckpt, options);
     vroll::policy::ContiguousKvCache kv(model.config(), /*num_slots=*/1, model.device());
@@ -121,6 +132,9 @@ int main(int argc, char** argv) {
     std::fflush(stdout);
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     log.info("generated {} tokens in {:.3f} s ({:.1f} tokens/s)", generated, seconds, generated / seconds);
+  } catch (const c10::Error& e) {  // LibTorch's own errors: the message without its backtrace
+    log.error("{}", e.what_without_backtrace());
+    return 1;
   } catch (const std::exception& e) {
     log.error("{}", e.what());
     return 1;

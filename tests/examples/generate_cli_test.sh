@@ -13,6 +13,10 @@ trap 'rm -f "$out"' EXIT
 # Bad input: a named error and a non-zero exit, nothing on stdout.
 if "$BIN" --model "$BIN" --tokenizer "$BIN" >"$out" 2>/tmp/vroll_cli_err.$$; then echo "corrupt model accepted"; exit 1; fi
 grep -q "$BIN" /tmp/vroll_cli_err.$$ || { echo "error does not name the file:"; cat /tmp/vroll_cli_err.$$; exit 1; }
+# A device this LibTorch lacks: one line naming --device, no LibTorch backtrace.
+if "$BIN" --device cuda --max-new-tokens 2 >"$out" 2>/tmp/vroll_cli_err.$$; then echo "--device cuda accepted on a CPU build"; exit 1; fi
+grep -q -- "--device cuda: " /tmp/vroll_cli_err.$$ || { echo "error does not name --device:"; cat /tmp/vroll_cli_err.$$; exit 1; }
+if grep -q "frame #" /tmp/vroll_cli_err.$$; then echo "error carries a backtrace:"; cat /tmp/vroll_cli_err.$$; exit 1; fi
 rm -f /tmp/vroll_cli_err.$$
 if [ ! -f "$SHARED/models/stories260K.bin" ]; then echo "skipped: no $SHARED/models"; exit 77; fi
 "$BIN" --model "$SHARED/models/stories260K.bin" --tokenizer "$SHARED/models/tok512.bin" \
