@@ -254,6 +254,23 @@ class ControlTest(FakeWorkerTestCase):
         self.assertEqual([l["prompt_token_ids"] for l in lines], [[1, 2], [3]])
         self.assertEqual(lines[1]["outputs"][1]["token_ids"], expected_tokens([3], 1, 3, VOCAB))
 
+    def test_cli_usage_errors_are_one_line_and_exit_2(self):
+        # Refused before anything is sent: a malformed endpoint, n < 1. No traceback.
+        for argv, expected in (
+                (["--endpoint", "banana", "health"], "endpoint 'banana'"),
+                (["--endpoint", self.workers[0].endpoint, "generate", "--prompt", "1,2", "--n", "0"],
+                 "n = 0 must be an int >= 1")):
+            stderr = io.StringIO()
+            with contextlib.redirect_stderr(stderr):
+                rc = cli_main(argv)
+            self.assertEqual(rc, 2, argv)
+            self.assertTrue(stderr.getvalue().startswith("error: "), stderr.getvalue())
+            self.assertIn(expected, stderr.getvalue())
+            self.assertNotIn("Traceback", stderr.getvalue())
+        # The client itself names the endpoint too.
+        with self.assertRaisesRegex(ValueError, "endpoint 'tcp://nowhere'"):
+            VrollClient("tcp://nowhere")
+
     def test_curve_with_the_right_server_key_connects_and_a_wrong_one_does_not(self):
         server_public, server_secret = zmq.curve_keypair()
         worker = FakeWorker(PARAMS, VOCAB, curve_secret_key=server_secret)

@@ -97,6 +97,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     except VrollError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    except ValueError as exc:  # arguments the client refuses before sending (e.g. --n 0)
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     finally:
         client.close(linger_ms=100)
 

@@ -89,7 +89,12 @@ class _Worker:
             sock.setsockopt(zmq.CURVE_SERVERKEY, self._server_key)
             sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
             sock.setsockopt(zmq.CURVE_SECRETKEY, secret)
-        sock.connect(self.endpoint)
+        try:
+            sock.connect(self.endpoint)
+        except zmq.ZMQError as exc:
+            sock.close(linger=0)
+            raise ValueError(f"endpoint {self.endpoint!r}: {exc} (expected e.g. tcp://HOST:PORT or "
+                             f"ipc:///PATH)") from None
         return sock
 
     def reset(self) -> None:
