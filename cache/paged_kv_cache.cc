@@ -11,6 +11,7 @@
 #include <fmt/format.h>
 
 #include "cache/attention_kernel.h"
+#include "cache/block_pool.h"
 #include "policy/check.h"
 #include "policy/logging.h"
 
@@ -31,7 +32,7 @@ PagedKvCache::PagedKvCache(const policy::ModelConfig& config, int num_blocks, in
 }
 
 int64_t PagedKvCache::BytesPerBlock(const policy::ModelConfig& config, int block_size) {
-  return int64_t{2} * config.n_layers * block_size * config.n_kv_heads * config.head_dim() * int64_t{sizeof(float)};
+  return KvBytesPerBlock(config.n_layers, config.n_kv_heads, config.head_dim(), block_size, sizeof(float));
 }
 
 void PagedKvCache::SetStep(PagedStepLayout layout) {

@@ -49,7 +49,7 @@ class PagedKvCache : public policy::AttentionBackend {
   PagedKvCache(const policy::ModelConfig& config, int num_blocks, int block_size);
 
   /// Bytes of K and V storage one block takes over all layers: 2 * n_layers * block_size *
-  /// n_kv_heads * head_dim * 4.
+  /// n_kv_heads * head_dim * 4 (KvBytesPerBlock for fp32). The engine sizes its pool with it.
   static int64_t BytesPerBlock(const policy::ModelConfig& config, int block_size);
 
   /// Sets the layout of the next Forward. Throws std::invalid_argument on inconsistent sizes,

@@ -7,6 +7,7 @@
 
 #include <fmt/format.h>
 
+#include "cache/block_pool.h"
 #include "policy/errors.h"
 #include "policy/logging.h"
 #include "rollout/model_runner.h"
@@ -20,10 +21,6 @@ uint64_t SplitMix(uint64_t& state) {
   z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
   z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
   return z ^ (z >> 31);
-}
-
-int64_t BytesPerBlock(const policy::ModelConfig& m, int block_size) {
-  return int64_t{2} * m.n_layers * block_size * m.kv_dim() * int64_t{sizeof(float)};
 }
 
 }  // namespace
@@ -59,7 +56,9 @@ Engine::Engine(const policy::Checkpoint& checkpoint, const EngineConfig& config)
     : config_(config), model_config_(checkpoint.config), seed_state_(config.seed) {
   config_.Validate();
   model_config_.Validate("engine model config");
-  const int64_t bytes_per_block = BytesPerBlock(model_config_, config_.block_size);
+  // As cache::PagedKvCache::BytesPerBlock (fp32 K and V), without its LibTorch header.
+  const int64_t bytes_per_block = cache::KvBytesPerBlock(model_config_.n_layers, model_config_.n_kv_heads,
+                                                         model_config_.head_dim(), config_.block_size, sizeof(float));
   const int64_t num_blocks64 = config_.kv_cache_bytes / bytes_per_block;
   if (num_blocks64 < 2) {
     throw policy::ConfigError(fmt::format("engine config: kv_cache_bytes = {} holds {} blocks of {} bytes; need >= 2",

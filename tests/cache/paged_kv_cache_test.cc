@@ -186,6 +186,20 @@ TEST(PagedKvCacheTest, CopyBlocksCopiesEveryLayer) {
   }
 }
 
+TEST(PagedKvCacheTest, BytesPerBlockIsWhatTheStorageTensorsHold) {
+  // Oracle: the bytes of the allocated K and V tensors, per block (the engine sizes its pool by
+  // kv_cache_bytes / BytesPerBlock).
+  c10::InferenceMode guard;
+  ModelConfig config = policy::DefaultModelConfig();  // GQA: n_kv_heads < n_heads
+  for (int block_size : {1, 4, 16}) {
+    const int num_blocks = 3;
+    PagedKvCache paged(config, num_blocks, block_size);
+    int64_t bytes = 0;
+    for (int l = 0; l < config.n_layers; ++l) bytes += paged.keys(l).nbytes() + paged.values(l).nbytes();
+    EXPECT_EQ(PagedKvCache::BytesPerBlock(config, block_size) * num_blocks, bytes) << "block_size " << block_size;
+  }
+}
+
 TEST(PagedKvCacheTest, RejectsTablesTooShortForTheContext) {
   PagedKvCache paged(policy::DefaultModelConfig(), 4, 4);
   PagedStepLayout layout{{0, 1}, {5}, {0, 1}, {2}};  // 5 tokens need 2 blocks of 4
