@@ -63,6 +63,9 @@ int main(int argc, char** argv) {
   app.add_option("--max-message-mb", max_message_mb, "largest frame accepted, MiB")->capture_default_str()->check(CLI::PositiveNumber);
   app.add_option("--update-timeout-ms", worker_config.update_timeout_ms, "abort an update silent for this long")
       ->capture_default_str()->check(CLI::PositiveNumber);
+  app.add_option("--heartbeat-ms", worker_config.heartbeat_ms,
+                 "PING each connection this often; close one silent for 3x as long (0 = off)")
+      ->capture_default_str()->check(CLI::NonNegativeNumber);
   app.add_option("--seed", engine_config.seed, "draws the seeds of requests that carry none")->capture_default_str();
   app.add_option("--curve-secret-key", secret_key_path, "file with this worker's Z85 CURVE secret key (turns CURVE on)")
       ->check(CLI::ExistingFile);

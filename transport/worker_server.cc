@@ -137,6 +137,9 @@ void WorkerConfig::Validate() const {
   if (shutdown_grace_ms < 0) fail(fmt::format("shutdown_grace_ms = {} must be >= 0", shutdown_grace_ms));
   if (linger_ms < 0) fail(fmt::format("linger_ms = {} must be >= 0", linger_ms));
   if (send_high_water_mark < 0) fail(fmt::format("send_high_water_mark = {} must be >= 0", send_high_water_mark));
+  if (heartbeat_ms < 0 || heartbeat_ms > 3600 * 1000) {
+    fail(fmt::format("heartbeat_ms = {} must be in [0, 3600000] (0 = off)", heartbeat_ms));
+  }
   if (!curve.enabled()) {
     if (!curve.trainer_keys.empty() || !curve.client_keys.empty()) {
       fail("curve.trainer_keys / curve.client_keys are set but curve.secret_key is empty (CURVE off)");
@@ -164,9 +167,9 @@ std::string WorkerConfig::ToString() const {
   }
   return fmt::format(
       "endpoint {}, max_message_bytes {} ({:.1f} MiB), update_timeout_ms {}, shutdown_grace_ms {}, linger_ms {}, "
-      "send_high_water_mark {}, CURVE {}",
+      "send_high_water_mark {}, heartbeat_ms {}, CURVE {}",
       endpoint, max_message_bytes, max_message_bytes / 1048576.0, update_timeout_ms, shutdown_grace_ms, linger_ms,
-      send_high_water_mark, curve_text);
+      send_high_water_mark, heartbeat_ms, curve_text);
 }
 
 // ---- Server ----------------------------------------------------------------------------------------
@@ -233,6 +236,10 @@ struct WorkerServer::Impl {
     // A send to a client whose connection is gone fails (EHOSTUNREACH) instead of vanishing: that
     // is how the worker learns that a client left and aborts its unfinished requests (OnPeerGone).
     router.set(zmq::sockopt::router_mandatory, 1);
+    if (config.heartbeat_ms > 0) {  // a dead peer's connection closes; OnPeerGone follows
+      router.set(zmq::sockopt::heartbeat_ivl, config.heartbeat_ms);
+      router.set(zmq::sockopt::heartbeat_timeout, 3 * config.heartbeat_ms);
+    }
     if (config.curve.enabled()) {
       router.set(zmq::sockopt::curve_server, 1);
       router.set(zmq::sockopt::zap_domain, "vroll");

@@ -56,6 +56,12 @@ struct WorkerConfig {
   /// Messages queued per client before ZeroMQ drops further replies to it (a client that stops
   /// reading must not stall the worker).
   int send_high_water_mark = 100000;
+  /// ZeroMQ heartbeats (ZMQ_HEARTBEAT_IVL, milliseconds; 0 = off): the worker PINGs each
+  /// connection this often and closes one that answers nothing for 3 x heartbeat_ms, so that a
+  /// client host that died without closing its TCP connection is noticed (its unfinished requests
+  /// are then aborted at the next reply, like those of a closed connection). Clients need nothing:
+  /// libzmq answers PINGs by itself.
+  int heartbeat_ms = 10000;
   CurveServerConfig curve;
 
   /// Throws policy::ConfigError naming the field (empty endpoint, non-positive sizes and

@@ -4,7 +4,15 @@
 // weight pushes checked by checksum and by the version samples carry, backpressure and CURVE.
 // No sleeps: every wait is a receive or poll with a deadline that fails with a message.
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstring>
 #include <fstream>
 #include <functional>
@@ -387,6 +395,125 @@ TEST(WorkerServerTest, AGoneClientsUnfinishedRequestsAreAborted) {
   auto staying = Connect(worker.endpoint());
   const std::vector<Request> after_requests = SeededRequests("after", 3, 2);
   ExpectSameSamples(staying->Generate(after_requests), InProcess(after_requests), 0);
+}
+
+/// A TCP relay between one client and a worker on tcp://127.0.0.1:PORT that can freeze: it then
+/// relays nothing either way but keeps both connections open, as a client host that died without
+/// closing them would. It discards what the worker sends meanwhile (heartbeat PINGs go
+/// unanswered) and notes when the worker closes its side.
+class FreezingRelay {
+ public:
+  explicit FreezingRelay(const std::string& worker_endpoint) {
+    const int worker_port = std::stoi(worker_endpoint.substr(worker_endpoint.rfind(':') + 1));
+    listen_fd_ = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t len = sizeof(addr);
+    if (listen_fd_ < 0 || ::bind(listen_fd_, reinterpret_cast<sockaddr*>(&addr), len) != 0 ||
+        ::listen(listen_fd_, 1) != 0 || ::getsockname(listen_fd_, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
+      throw std::runtime_error("relay: cannot listen on 127.0.0.1");
+    }
+    port_ = ntohs(addr.sin_port);
+    thread_ = std::thread([this, worker_port] { Run(worker_port); });
+  }
+  ~FreezingRelay() {
+    stop_.store(true);
+    thread_.join();
+    for (int fd : {listen_fd_, client_fd_, worker_fd_}) {
+      if (fd >= 0) ::close(fd);
+    }
+  }
+  std::string endpoint() const { return fmt::format("tcp://127.0.0.1:{}", port_); }
+  void Freeze() { frozen_.store(true); }
+  /// True once the worker closed its connection, waiting at most timeout_ms.
+  bool WaitWorkerClosed(int64_t timeout_ms) {
+    std::unique_lock<std::mutex> lock(mu_);
+    return cv_.wait_for(lock, std::chrono::milliseconds(timeout_ms), [&] { return worker_closed_; });
+  }
+
+ private:
+  void Run(int worker_port) {
+    pollfd accept_poll{listen_fd_, POLLIN, 0};
+    while (!stop_.load() && ::poll(&accept_poll, 1, 20) <= 0) {
+    }
+    if (stop_.load()) return;
+    client_fd_ = ::accept(listen_fd_, nullptr, nullptr);
+    worker_fd_ = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    addr.sin_port = htons(static_cast<uint16_t>(worker_port));
+    if (client_fd_ < 0 || worker_fd_ < 0 || ::connect(worker_fd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+      return;  // the test then fails waiting for replies
+    }
+    char buf[65536];
+    bool worker_open = true;
+    while (!stop_.load() && worker_open) {
+      const bool frozen = frozen_.load();
+      pollfd fds[2] = {{worker_fd_, POLLIN, 0}, {client_fd_, static_cast<short>(frozen ? 0 : POLLIN), 0}};
+      if (::poll(fds, 2, 20) <= 0) continue;
+      if (fds[0].revents != 0) {  // from the worker: relayed, or discarded when frozen
+        const ssize_t n = ::recv(worker_fd_, buf, sizeof(buf), 0);
+        if (n <= 0) {
+          worker_open = false;
+        } else if (!frozen && ::send(client_fd_, buf, static_cast<size_t>(n), MSG_NOSIGNAL) != n) {
+          return;
+        }
+      }
+      if (fds[1].revents != 0 && !frozen) {  // from the client
+        const ssize_t n = ::recv(client_fd_, buf, sizeof(buf), 0);
+        if (n <= 0 || ::send(worker_fd_, buf, static_cast<size_t>(n), MSG_NOSIGNAL) != n) return;
+      }
+    }
+    if (!worker_open) {
+      std::lock_guard<std::mutex> lock(mu_);
+      worker_closed_ = true;
+      cv_.notify_all();
+    }
+  }
+
+  int listen_fd_ = -1, client_fd_ = -1, worker_fd_ = -1;
+  int port_ = 0;
+  std::atomic<bool> stop_{false}, frozen_{false};
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool worker_closed_ = false;
+  std::thread thread_;
+};
+
+TEST(WorkerServerTest, AClientHostThatDiesWithoutClosingItsConnectionIsNoticedByHeartbeats) {
+  // As AGoneClientsUnfinishedRequestsAreAborted, but the client's host "dies": its connection
+  // goes silent without closing (a frozen relay). The worker's heartbeat (100 ms, closed after
+  // 300 ms of silence) closes it; the long requests are then aborted at the short one's sample.
+  std::vector<Request> requests = {MakeRequest("short", {1, 9, 9, 9}, 1, 0.8, 1, 1)};
+  for (int i = 0; i < 3; ++i) {
+    requests.push_back(MakeRequest(fmt::format("long{}", i), {1, 7, 7, 7 + i}, 250, 0.8, 1, 10 + i));
+  }
+  int64_t full_tokens = 0;
+  for (const SampleResult& s : InProcess(requests)) full_tokens += static_cast<int64_t>(s.output_ids.size());
+  WorkerConfig config;
+  config.heartbeat_ms = 100;
+  WorkerHarness worker(config);
+  auto trainer = Connect(worker.endpoint());
+  trainer->Pause();
+  const rollout::EngineStats before = trainer->Stats();
+  FreezingRelay relay(worker.endpoint());
+  ClientOptions options;
+  options.linger_ms = 0;
+  auto silent = Connect(relay.endpoint(), options);
+  for (const Request& r : requests) {
+    silent->Send(GenerateMsg{"g-" + r.request_id, r});
+    (void)NextAs<AcceptedMsg>(*silent);  // through the relay
+  }
+  relay.Freeze();
+  ASSERT_TRUE(relay.WaitWorkerClosed(kReplyWaitMs)) << "the worker never closed the silent connection";
+  trainer->Resume();
+  const rollout::EngineStats after = StatsWhen(*trainer, [&](const rollout::EngineStats& e) {
+    return e.num_finished_samples >= before.num_finished_samples + 4;
+  });
+  EXPECT_LT(after.num_generated_tokens - before.num_generated_tokens, full_tokens / 2) << "of " << full_tokens;
+  EXPECT_TRUE(trainer->Health().ok);  // the trainer, heartbeats answered by its libzmq, stays connected
 }
 
 /// The default model's weights drawn with another seed, as a new policy.
