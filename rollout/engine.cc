@@ -252,7 +252,12 @@ bool Engine::Step() {
   ++counters_.num_steps;
   counters_.num_prefill_tokens += plan.num_prefill_tokens;
   counters_.num_generated_tokens += static_cast<int64_t>(targets.size());
-  counters_.busy_seconds += std::chrono::duration<double>(Clock::now() - t0).count();
+  const double step_seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+  counters_.busy_seconds += step_seconds;
+  if (plan.num_prefill_tokens == 0) {
+    counters_.decode_seconds += step_seconds;
+    counters_.num_decode_tokens += static_cast<int64_t>(targets.size());
+  }
   PublishStats();
   return true;
 }

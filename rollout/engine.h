@@ -113,6 +113,10 @@ struct EngineStats {
   double sample_seconds = 0;        ///<   sampling (softmax, logprobs, draws)
   double commit_seconds = 0;        ///<   appending tokens, prefix-cache inserts, finishing, emitting
   double tokens_per_second = 0;     ///< generated tokens / busy seconds
+  /// Decode-only steps (no prompt or recompute token computed): their time, included in
+  /// busy_seconds, and the tokens they generated (one per running sequence each).
+  double decode_seconds = 0;
+  int64_t num_decode_tokens = 0;
   PolicyVersion policy_version = 0;
 };
 

@@ -206,6 +206,24 @@ TEST(EngineTest, GroupOfEightPrefillsItsPromptOnce) {
   for (const SampleResult& s : singles.Generate(rest)) EXPECT_EQ(s.num_cached_prompt_tokens, 32) << s.request_id;
 }
 
+TEST(EngineTest, DecodeOnlyStepsAreCountedApart) {
+  // A group of 8 with 12 new tokens: the step that computes the prompt's last chunk samples the
+  // first token of all 8 forks; the 11 steps after it compute no prompt token (decode only).
+  std::mt19937 rng(6);
+  Engine e(Default(), SmallConfig());
+  (void)e.Generate({MakeRequest("grpo", RandomPrompt(rng, 45, 259), 12, 1.0, 8, 99)});
+  const rollout::EngineStats s = e.stats();
+  EXPECT_EQ(s.num_generated_tokens, 8 * 12);
+  EXPECT_EQ(s.num_decode_tokens, 8 * 11);
+  EXPECT_GT(s.decode_seconds, 0);
+  EXPECT_LT(s.decode_seconds, s.busy_seconds);
+  Engine mixed(Default(), SmallConfig());
+  (void)mixed.Generate({MakeRequest("a", RandomPrompt(rng, 10, 259), 12, 1.0, 1, 1),
+                        MakeRequest("b", RandomPrompt(rng, 10, 259), 12, 1.0, 1, 2)});
+  // Both prompts fit one step: 2 first tokens there, then 11 decode-only steps of 2 tokens.
+  EXPECT_EQ(mixed.stats().num_decode_tokens, 2 * 11);
+}
+
 TEST(EngineTest, ChunkedPrefillOfALongPromptEqualsOneShotPrefill) {
   VROLL_REQUIRE_SHARED();
   std::mt19937 rng(5);
