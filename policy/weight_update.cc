@@ -569,6 +569,16 @@ void WeightUpdateStaging::HashPrefix(Slot& slot, uint64_t end, const uint8_t* by
   slot.num_checked_elems = num_elems;
 }
 
+std::string NonFiniteWeightError(const std::vector<VerifiedTensor>& verified) {
+  for (const VerifiedTensor& t : verified) {
+    if (t.first_nonfinite) {
+      const uint64_t i = *t.first_nonfinite;
+      return fmt::format("tensor {}: element {} is {} (weights must be finite)", t.param->name, i, (*t.values)[i]);
+    }
+  }
+  return "";
+}
+
 UpdateStatus WeightUpdateStaging::Verify() {
   switch (state_) {
     case State::kIdle: return UpdateStatus::Error("weight update: Verify refused: no transaction is open");

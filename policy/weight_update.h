@@ -207,6 +207,11 @@ struct VerifiedTensor {
   std::optional<uint64_t> first_nonfinite;
 };
 
+/// Empty when every verified tensor is finite; otherwise "tensor NAME: element I is nan (weights
+/// must be finite)" for the first tensor (in `verified` order) holding a NaN or infinity. Reads
+/// no weights but that one element (first_nonfinite was found while staging).
+std::string NonFiniteWeightError(const std::vector<VerifiedTensor>& verified);
+
 /// Told about a WeightUpdateStaging's transaction as it goes, so that work on the staged values
 /// (packing them for the CPU GEMM: policy/weight_prepack.h) overlaps the transfer of the rest,
 /// and can be done on each block of values while it is still in cache. Every call comes from the

@@ -397,12 +397,8 @@ SubmitStatus Engine::SubmitUpdate(policy::WeightUpdateStaging* staging, InFlight
   // A NaN or infinite weight would turn every logit into NaN: refuse it here, on the caller's
   // thread (outside the engine's stall), naming the tensor and the element. The staging found
   // them while the bytes arrived, so this reads no weights.
-  for (const policy::VerifiedTensor& t : staging->verified()) {
-    if (t.first_nonfinite) {
-      const uint64_t i = *t.first_nonfinite;
-      return {SubmitStatus::Code::kInvalid,
-              fmt::format("tensor {}: element {} is {} (weights must be finite)", t.param->name, i, (*t.values)[i])};
-    }
+  if (std::string error = policy::NonFiniteWeightError(staging->verified()); !error.empty()) {
+    return {SubmitStatus::Code::kInvalid, std::move(error)};
   }
   {
     std::lock_guard<std::mutex> lock(mu_);

@@ -772,6 +772,13 @@ struct WorkerServer::Impl {
       SendError(peer, m.id, ErrorCode::kUpdateFailed, "", st.error());
       return;
     }
+    // "verified" promises that update_apply will be accepted: a NaN or infinite weight, which
+    // the engine refuses, is refused here already (phase one of a two-phase push then fails).
+    if (const std::string error = policy::NonFiniteWeightError(staging->verified()); !error.empty()) {
+      Poison(*u, error);
+      SendError(peer, m.id, ErrorCode::kUpdateFailed, "", error);
+      return;
+    }
     if (m.apply) {
       Apply(peer, m.id, *u);
       return;

@@ -728,6 +728,32 @@ TEST(WorkerServerTest, APoisonedUpdateRefusesLaterMessagesWithTheSameCauseUntilA
   EXPECT_EQ(trainer->PushWeights(NewPolicy().weights, 1).version, 1u);  // a new update works
 }
 
+TEST(WorkerServerTest, ANonFiniteWeightFailsTheCommitEvenWithoutApply) {
+  // Phase one of a two-phase push ("verified") promises that update_apply will be accepted: a
+  // NaN or an infinity, which the engine refuses, must fail the commit itself, naming the tensor
+  // and the element, with or without apply, and leave the worker's version alone.
+  WorkerHarness worker;
+  auto trainer = Connect(worker.endpoint());
+  for (const bool apply : {false, true}) {
+    for (const float bad : {std::numeric_limits<float>::quiet_NaN(), -std::numeric_limits<float>::infinity()}) {
+      std::vector<float> norm(64, 1.0f);
+      norm[37] = bad;
+      PushOptions options;
+      options.apply = apply;
+      options.partial = true;
+      try {
+        (void)trainer->PushWeights({{"model.norm.weight", policy::DType::kF32, {64}, norm.data(), 256}}, 1, options);
+        ADD_FAILURE() << "a push holding " << bad << " was " << (apply ? "applied" : "verified");
+      } catch (const WorkerError& e) {
+        EXPECT_EQ(e.error().code, ErrorCode::kUpdateFailed);
+        EXPECT_NE(std::string(e.what()).find("tensor model.norm.weight: element 37 is"), std::string::npos) << e.what();
+      }
+    }
+  }
+  EXPECT_EQ(trainer->Health().policy_version, 0u);
+  EXPECT_EQ(trainer->PushWeights(NewPolicy().weights, 1).version, 1u);  // and a finite push works
+}
+
 TEST(WorkerServerTest, ASecondUpdateWhileOneIsOpenIsBusy) {
   WorkerHarness worker;
   auto first = Connect(worker.endpoint());
