@@ -6,6 +6,8 @@
 #include <limits>
 #include <memory>
 #include <new>
+#include <optional>
+#include <string_view>
 #include <utility>
 
 #include <fmt/format.h>
@@ -431,6 +433,57 @@ WorkerMessage ParseWorkerBody(const std::string& type, const MapReader& m, std::
   Fail(ErrorCode::kUnknownType, "type", fmt::format("unknown message type '{}'", type));
 }
 
+/// Finds the top-level "id" string of a msgpack map without building objects: O(1) memory (it
+/// refuses nesting deeper than 32), one pass that stops at the id. A header too large to decode
+/// is still answered under its own id, so that the client can match the error to its request.
+struct TopLevelIdFinder : msgpack::null_visitor {
+  static constexpr int kMaxDepth = 32;
+  int depth = 0;  // containers open
+  bool in_key = false, in_value = false, key_is_id = false;
+  std::optional<std::string> id;
+  bool Open() { return ++depth <= kMaxDepth; }
+  bool start_map(uint32_t) { return Open(); }
+  bool start_array(uint32_t) { return Open(); }
+  bool end_map() { --depth; return true; }
+  bool end_array() { --depth; return true; }
+  bool start_map_key() {
+    if (depth == 1) in_key = true, key_is_id = false;
+    return true;
+  }
+  bool end_map_key() {
+    if (depth == 1) in_key = false;
+    return true;
+  }
+  bool start_map_value() {
+    if (depth == 1) in_value = true;
+    return true;
+  }
+  bool end_map_value() {
+    if (depth == 1) in_value = false, key_is_id = false;
+    return true;
+  }
+  bool visit_str(const char* v, uint32_t size) {
+    if (depth != 1) return true;
+    if (in_key) {
+      key_is_id = std::string_view(v, size) == "id";
+    } else if (in_value && key_is_id) {
+      id.emplace(v, size);
+      return false;  // found: stop
+    }
+    return true;
+  }
+};
+
+std::string PeekTopLevelId(const void* data, size_t size) {
+  TopLevelIdFinder finder;
+  size_t offset = 0;
+  try {
+    (void)msgpack::parse(static_cast<const char*>(data), size, offset, finder);
+  } catch (const std::exception&) {  // malformed: no id
+  }
+  return finder.id.value_or("");
+}
+
 /// Unpacks one msgpack object filling the whole frame, with limits tied to the frame's size: an
 /// array or map cannot claim more elements than there are bytes left, so the zone never
 /// allocates more than ~16 bytes of objects per input byte, and nesting stops at depth 32.
@@ -440,6 +493,7 @@ Decoded<Message> DecodeHeader(const void* data, size_t size, ParseBody parse_bod
   std::string id;
   try {
     if (size > kMaxHeaderBytes) {
+      id = PeekTopLevelId(data, size);
       Fail(ErrorCode::kTooLarge, "", fmt::format("header frame of {} bytes exceeds {} bytes", size, kMaxHeaderBytes));
     }
     if (size == 0) Fail(ErrorCode::kBadMessage, "", "empty header frame");

@@ -234,7 +234,8 @@ struct [[nodiscard]] Decoded {
 
 /// Decodes a header frame sent to a worker. Total (see the top of this file): returns `error`
 /// with code kBadMessage (not msgpack, trailing bytes, not a map), kTooLarge (over
-/// kMaxHeaderBytes), kBadVersion, kUnknownType (including worker -> client types) or kBadField.
+/// kMaxHeaderBytes; the error still carries the header's top-level "id" when one is found by a
+/// bounded scan), kBadVersion, kUnknownType (including worker -> client types) or kBadField.
 /// Integers accept any msgpack integer in range; float fields also accept integers.
 /// Thread safety: reentrant.
 Decoded<ClientMessage> DecodeClientMessage(const void* data, size_t size);

@@ -386,6 +386,31 @@ TEST(ProtocolTest, HeadersOverTheCapAreTooLarge) {
   Decoded<ClientMessage> d = DecodeClientMessage(big.data(), big.size());
   ASSERT_FALSE(d.ok());
   EXPECT_EQ(d.error.code, ErrorCode::kTooLarge);
+  EXPECT_EQ(d.error.id, "");
+}
+
+TEST(ProtocolTest, AHeaderOverTheCapIsStillAnsweredUnderItsId) {
+  // A generate whose prompt makes the header too large: the error carries the top-level id
+  // wherever it sits (before or after the prompt), and ignores "id" keys of nested maps.
+  std::vector<int64_t> prompt(kMaxHeaderBytes / 3 + 10, 300);  // 3 bytes per id (uint16)
+  for (const bool id_first : {true, false}) {
+    Value h = Value::Map({{"v", Value::Int(1)}, {"type", Value::Str("generate")}});
+    h.Set("sampling", Value::Map({{"id", Value::Str("nested")}}));
+    if (id_first) h.Set("id", Value::Str("g-big"));
+    h.Set("prompt", Value::Ints(prompt));
+    if (!id_first) h.Set("id", Value::Str("g-big"));
+    const std::string bytes = h.Bytes();
+    ASSERT_GT(bytes.size(), kMaxHeaderBytes);
+    const Decoded<ClientMessage> d = DecodeClientMessage(bytes.data(), bytes.size());
+    ASSERT_FALSE(d.ok());
+    EXPECT_EQ(d.error.code, ErrorCode::kTooLarge);
+    EXPECT_EQ(d.error.id, "g-big") << (id_first ? "id first" : "id last");
+  }
+  // Nesting deeper than the scan allows: it stops there (no stack growing with the frame).
+  std::string deep(kMaxHeaderBytes + 1, static_cast<char>(0x91));  // fixarray of 1, nested
+  const Decoded<ClientMessage> d = DecodeClientMessage(deep.data(), deep.size());
+  EXPECT_EQ(d.error.code, ErrorCode::kTooLarge);
+  EXPECT_EQ(d.error.id, "");
 }
 
 // ---- Randomized decoding -----------------------------------------------------------------------------
