@@ -132,6 +132,17 @@ std::string FieldOfEngineError(const std::string& error) {
 void WorkerConfig::Validate() const {
   auto fail = [](const std::string& msg) { throw policy::ConfigError("worker config: " + msg); };
   if (endpoint.empty()) fail("endpoint is empty (e.g. tcp://127.0.0.1:5555 or ipc:///tmp/vroll.sock)");
+  if (endpoint.rfind("tcp://", 0) == 0) {
+    // libzmq takes a port over 65535 modulo 2^16, or as an ephemeral port: refuse it here.
+    const size_t colon = endpoint.rfind(':');
+    const std::string port = colon == std::string::npos || colon < 6 ? "" : endpoint.substr(colon + 1);
+    const bool digits = !port.empty() && port.size() <= 5 &&
+                        port.find_first_not_of("0123456789") == std::string::npos;
+    if (port != "*" && (!digits || std::stoi(port) > 65535)) {
+      fail(fmt::format("endpoint {}: the port must be a number in [0, 65535] or * (e.g. tcp://127.0.0.1:5555)",
+                       endpoint));
+    }
+  }
   if (max_message_bytes <= 0) fail(fmt::format("max_message_bytes = {} must be > 0", max_message_bytes));
   if (update_timeout_ms <= 0) fail(fmt::format("update_timeout_ms = {} must be > 0", update_timeout_ms));
   if (shutdown_grace_ms < 0) fail(fmt::format("shutdown_grace_ms = {} must be >= 0", shutdown_grace_ms));

@@ -944,6 +944,18 @@ TEST(WorkerServerTest, ConfigValidateNamesTheField) {
   c.update_timeout_ms = -1;
   EXPECT_NE(message(c).find("update_timeout_ms"), std::string::npos);
   c = WorkerConfig{};
+  for (const char* bad : {"tcp://127.0.0.1:99999", "tcp://127.0.0.1:", "tcp://127.0.0.1", "tcp://127.0.0.1:55a5"}) {
+    c.endpoint = bad;
+    EXPECT_NE(message(c).find(std::string("endpoint ") + bad + ": the port must be"), std::string::npos) << message(c);
+  }
+  for (const char* good : {"tcp://127.0.0.1:65535", "tcp://127.0.0.1:*", "tcp://[::1]:5555", "ipc:///tmp/x:1"}) {
+    c.endpoint = good;
+    EXPECT_EQ(message(c), "(valid)") << good;
+  }
+  c = WorkerConfig{};
+  c.heartbeat_ms = -1;
+  EXPECT_NE(message(c).find("heartbeat_ms = -1"), std::string::npos);
+  c = WorkerConfig{};
   c.curve.secret_key = "short";
   EXPECT_NE(message(c).find("curve.secret_key"), std::string::npos);
   c.curve.secret_key = GenerateCurveKeyPair().secret_key;
