@@ -53,6 +53,8 @@ class FakeWorker:
       vocab_size: prompts and stop ids must be in [0, vocab_size).
       num_overloaded: the next this-many generate requests are refused as ``overloaded``.
       silent: never answer generate.
+      hang_after_accept: answer generate with ``accepted`` only, never with its samples (a hung
+        engine).
       reverse: hold samples until the socket is idle, then send them newest first.
       fail_verify: commit answers ``update_failed`` (as a real checksum mismatch would).
       bad_checksum: the applied ack reports a wrong weights_checksum.
@@ -68,6 +70,7 @@ class FakeWorker:
         self.vocab_size = vocab_size
         self.num_overloaded = 0
         self.silent = False
+        self.hang_after_accept = False
         self.reverse = False
         self.fail_verify = False
         self.bad_checksum = False
@@ -170,6 +173,8 @@ class FakeWorker:
         max_new = h.get("sampling", {}).get("max_new_tokens", 16)
         replies = [{"v": 1, "type": "accepted", "id": h["id"], "request_id": h["request_id"],
                     "policy_version": self.version}]
+        if self.hang_after_accept:
+            return replies
         for i in range(n):
             ids = expected_tokens(prompt, i, max_new, self.vocab_size)
             replies.append({

@@ -6,6 +6,7 @@ import json
 import os
 import tempfile
 import threading
+import time
 import unittest
 
 import numpy as np
@@ -21,6 +22,15 @@ from vroll_client.__main__ import main as cli_main
 PARAMS = {"model.embed_tokens.weight": [16, 8], "model.layers.0.mlp.up_proj.weight": [12, 8],
           "model.norm.weight": [8]}
 VOCAB = 16
+
+
+def wait_until(condition, what, timeout_s=5.0):
+    """Polls condition() until it holds; fails naming `what` after timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        time.sleep(0.005)
 
 
 def make_weights(seed, dtype=torch.float32):
@@ -99,6 +109,27 @@ class GenerateTest(FakeWorkerTestCase):
                 client.generate([[1], [2]])
             self.assertEqual(cm.exception.worker, self.workers[1].endpoint)
             self.assertIsInstance(cm.exception, TimeoutError)
+        finally:
+            client.close(linger_ms=0)
+
+    def test_requests_of_a_silent_worker_are_aborted_on_it(self):
+        # The worker accepted the requests and then hung: they still hold its pending slots.
+        hung = self.workers[0]
+        hung.hang_after_accept = True
+        client = VrollClient(hung.endpoint, timeout_s=0.3)
+        try:
+            with self.assertRaises(VrollTimeoutError) as cm:
+                client.generate([[1], [2]])
+            self.assertEqual(cm.exception.worker, hung.endpoint)
+            request_ids = sorted(h["request_id"] for t, h in hung.received if t == "generate")
+            self.assertEqual(len(request_ids), 2)
+            wait_until(lambda: hung.types().count("abort") == 2, "aborts of both requests")
+            self.assertEqual(
+                sorted(h["request_id"] for t, h in hung.received if t == "abort"), request_ids)
+            # The client still works (on the reconnected socket).
+            hung.hang_after_accept = False
+            outs = client.generate([[4]], SamplingParams(max_tokens=2))
+            self.assertEqual(outs[0].outputs[0].token_ids, expected_tokens([4], 0, 2, VOCAB))
         finally:
             client.close(linger_ms=0)
 

@@ -38,6 +38,9 @@ KeyLike = Union[str, bytes]
 _MAX_OVERLOAD_BACKOFF_S = 1.0
 #: How long update_abort may take when cleaning up after a failed push.
 _ABORT_TIMEOUT_S = 10.0
+#: How long the socket of a worker that went silent during generate lingers, after a reset, to
+#: deliver the aborts of its requests.
+_SILENCE_ABORT_LINGER_MS = 100
 #: Chunks sent between two non-blocking checks for early chunk errors.
 _CHUNKS_PER_ERROR_CHECK = 64
 
@@ -97,10 +100,11 @@ class _Worker:
                              f"ipc:///PATH)") from None
         return sock
 
-    def reset(self) -> None:
-        """Drops every queued outgoing message and reconnects (after a timeout: a restarted
-        worker must not receive the dead one's backlog)."""
-        self.socket.close(linger=0)
+    def reset(self, linger_ms: int = 0) -> None:
+        """Closes the socket and reconnects on a new one (after a timeout: a restarted worker
+        must not receive the dead one's backlog). Messages still queued on the old socket go out
+        for up to linger_ms (0: dropped at once)."""
+        self.socket.close(linger=linger_ms)
         self.socket = self._connect()
 
     def close(self, linger_ms: Optional[int] = None) -> None:
@@ -265,9 +269,9 @@ class VrollClient:
             raise VrollTimeoutError(worker.endpoint, f"sending {request or header['type']}",
                                     self.timeout_s) from None
 
-    def _reset(self, worker: _Worker) -> None:
+    def _reset(self, worker: _Worker, linger_ms: int = 0) -> None:
         self._poller.unregister(worker.socket)
-        worker.reset()
+        worker.reset(linger_ms)
         self._poller.register(worker.socket, zmq.POLLIN)
 
     def _poll(self, timeout_s: float) -> List[Tuple[_Worker, Dict[str, Any], List[bytes]]]:
@@ -439,8 +443,9 @@ class VrollClient:
           TypeError / ValueError: a malformed prompt or argument (nothing sent).
           WorkerError: a worker refused a request (e.g. ``bad_field`` with field ``prompt[3]``);
             the call's other unfinished requests are aborted on their workers.
-          VrollTimeoutError: a worker with requests in flight stayed silent for timeout_s (the
-            other requests are aborted; the silent worker's socket is reset).
+          VrollTimeoutError: a worker with requests in flight stayed silent for timeout_s (every
+            unfinished request is aborted, the silent worker's best effort on its old socket,
+            which is then reset).
         """
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -582,8 +587,12 @@ class VrollClient:
         now = time.monotonic()
         for w in self._workers:
             if w.num_inflight_requests > 0 and now - w.last_heard > self.timeout_s:
-                self._reset(w)
+                # A hung (not dead) worker still holds the requests: abort them on the old
+                # socket, which lingers briefly to send the aborts, so that they do not keep
+                # max_pending_requests slots or run later for nobody.
                 stuck = [r for r in in_flight.values() if r.worker is w]
+                self._abort_requests(stuck)
+                self._reset(w, _SILENCE_ABORT_LINGER_MS)
                 for r in stuck:
                     del in_flight[r.request_id]
                 raise VrollTimeoutError(w.endpoint, f"generate ({len(stuck)} requests in flight)",
