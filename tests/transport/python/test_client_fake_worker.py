@@ -143,6 +143,36 @@ class GenerateTest(FakeWorkerTestCase):
             self.assertEqual(w.types(), [])
 
 
+    def test_ints_msgpack_cannot_carry_are_refused_naming_the_field(self):
+        cases = [
+            (lambda: self.client.generate([[1]], SamplingParams(seed=2 ** 64)), ValueError,
+             "sampling.seed = 18446744073709551616 must be in [0, 2**64)"),
+            (lambda: self.client.generate([[1], [2]], [SamplingParams(),
+                                                       SamplingParams(max_tokens="5")]),
+             TypeError, "sampling_params[1]: sampling.max_tokens = '5' must be an int"),
+            (lambda: self.client.generate([[1]], min_policy_version=2 ** 64), ValueError,
+             "min_policy_version = 18446744073709551616 must be in [0, 2**64)"),
+            (lambda: self.client.generate([[1]], min_policy_version="3"), TypeError,
+             "min_policy_version = '3' must be an int"),
+            (lambda: self.client.generate([[1]], n=2 ** 64), ValueError,
+             "n = 18446744073709551616 must be < 2**64"),
+            (lambda: self.client.push_weights(make_weights(1), version=2 ** 64), ValueError,
+             "version = 18446744073709551616 must be an int in [1, 2**64)"),
+        ]
+        for call, error, message in cases:
+            with self.subTest(message):
+                with self.assertRaises(error) as cm:
+                    call()
+                self.assertIn(message, str(cm.exception))
+        for w in self.workers:
+            self.assertEqual(w.types(), [])
+        # The largest values msgpack carries go out.
+        self.client.generate([[1]], SamplingParams(seed=np.uint64(2 ** 64 - 1), max_tokens=1),
+                             min_policy_version=np.int64(0))
+        sent = [h for w in self.workers for t, h in w.received if t == "generate"]
+        self.assertEqual(sent[0]["sampling"]["seed"], 2 ** 64 - 1)
+
+
 class PushWeightsTest(FakeWorkerTestCase):
     def test_two_phase_push_with_mixed_dtypes_and_odd_chunks(self):
         weights = make_weights(1)

@@ -457,8 +457,9 @@ class VrollClient:
                 raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"n = {n!r} must be an int >= 1")
-        if min_policy_version < 0:
-            raise ValueError(f"min_policy_version = {min_policy_version} must be >= 0")
+        if n >= protocol.WIRE_INT_END:
+            raise ValueError(f"n = {n} must be < 2**64")
+        min_policy_version = protocol.wire_int(min_policy_version, "min_policy_version", 0)
         workers = self._select(endpoints)
 
         requests: List[_PendingRequest] = []
@@ -466,7 +467,12 @@ class VrollClient:
         for i, (prompt, sp) in enumerate(zip(prompts, params)):
             wire = wire_cache.get(id(sp))
             if wire is None:
-                wire = wire_cache[id(sp)] = sp.to_wire()
+                try:
+                    wire = wire_cache[id(sp)] = sp.to_wire()
+                except (TypeError, ValueError) as exc:
+                    if isinstance(sampling_params, SamplingParams):
+                        raise
+                    raise type(exc)(f"sampling_params[{i}]: {exc}") from None
             rid = self._next_id("r")
             try:
                 header = protocol.make_generate(rid, prompt, n, wire, min_policy_version)
@@ -630,7 +636,8 @@ class VrollClient:
           named_tensors: {canonical name: torch.Tensor | numpy.ndarray}: float32, float16 or
             bfloat16 (sent as raw 2-byte words), any device (copied to CPU) and shape. Must not
             be modified until the call returns (bytes are sent from its memory).
-          version: the new policy version, greater than every worker's current one.
+          version: the new policy version, an int in [1, 2**64) greater than every worker's
+            current one.
           mode: what running sequences do at the swap: ``drain`` (finish under the old
             weights), ``abort``, ``restart`` or ``continue``.
           partial: True when named_tensors is a subset of the model's parameters (the
@@ -649,8 +656,10 @@ class VrollClient:
         Cost: one XXH3 pass over the bytes as sent, one float32 conversion pass for the
         weights checksum (unless partial), and one send of every byte to every worker.
         """
-        if isinstance(version, bool) or not isinstance(version, int) or version < 1:
-            raise ValueError(f"version = {version!r} must be an int >= 1 (initial weights are 0)")
+        if (isinstance(version, bool) or not isinstance(version, int)
+                or not 1 <= version < protocol.WIRE_INT_END):
+            raise ValueError(f"version = {version!r} must be an int in [1, 2**64) (initial "
+                             "weights are 0)")
         if mode not in protocol.UPDATE_MODES:
             raise ValueError(f"mode = {mode!r}; one of {protocol.UPDATE_MODES}")
         if not named_tensors:
