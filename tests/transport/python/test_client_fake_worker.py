@@ -4,6 +4,8 @@ import contextlib
 import io
 import json
 import os
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -13,6 +15,7 @@ import numpy as np
 import torch
 import zmq
 
+import vroll_client
 from fake_worker import FakeWorker, expected_tokens, reference_weights_checksum
 from vroll_client import (SamplingParams, VrollClient, VrollTimeoutError, WeightUpdateError,
                           WorkerError, curve_keypair, curve_public_key,
@@ -314,6 +317,58 @@ class ControlTest(FakeWorkerTestCase):
         lines = [json.loads(line) for line in stdout.getvalue().splitlines()]
         self.assertEqual([l["prompt_token_ids"] for l in lines], [[1, 2], [3]])
         self.assertEqual(lines[1]["outputs"][1]["token_ids"], expected_tokens([3], 1, 3, VOCAB))
+
+    def test_cli_commands_without_reply_fields_print_ok(self):
+        for command in ("pause", "resume", "flush-cache"):
+            stdout = io.StringIO()
+            with contextlib.redirect_stdout(stdout):
+                rc = cli_main(["--endpoint", self.workers[0].endpoint, command])
+            self.assertEqual(rc, 0, command)
+            self.assertEqual(json.loads(stdout.getvalue()), {self.workers[0].endpoint: "ok"})
+        self.assertEqual(self.workers[0].types(), ["pause", "resume", "flush_cache"])
+
+    def test_cli_exits_quietly_when_stdout_is_closed(self):
+        class ClosedPipe(io.StringIO):
+            """A pipe whose reader has gone: fails on write or, when buffered, on flush."""
+
+            def __init__(self, fail_on_write):
+                super().__init__()
+                self.fail_on_write = fail_on_write
+
+            def write(self, text):
+                if self.fail_on_write:
+                    raise BrokenPipeError(32, "Broken pipe")
+                return super().write(text)
+
+            def flush(self):
+                raise BrokenPipeError(32, "Broken pipe")
+
+        for fail_on_write in (True, False):
+            stderr = io.StringIO()
+            with contextlib.redirect_stdout(ClosedPipe(fail_on_write)), \
+                    contextlib.redirect_stderr(stderr):
+                rc = cli_main(["--endpoint", self.workers[0].endpoint, "stats"])
+            self.assertEqual(rc, 141, f"fail_on_write={fail_on_write}")
+            self.assertEqual(stderr.getvalue(), "")
+        self.assertEqual(self.workers[0].types(), ["stats", "stats"])
+
+    def test_cli_process_writing_to_a_closed_pipe_exits_141_without_traceback(self):
+        # As `python3 -m vroll_client stats | head -1` once head has exited: no reader left.
+        read_end, write_end = os.pipe()
+        os.close(read_end)
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+            [os.path.dirname(os.path.dirname(vroll_client.__file__)),
+             os.environ.get("PYTHONPATH", "")]))
+        try:
+            proc = subprocess.run(
+                [sys.executable, "-m", "vroll_client", "--endpoint", self.workers[0].endpoint,
+                 "--timeout-s", "10", "stats"],
+                stdout=write_end, stderr=subprocess.PIPE, env=env, timeout=60)
+        finally:
+            os.close(write_end)
+        self.assertEqual(proc.stderr.decode(), "")
+        self.assertEqual(proc.returncode, 141)
+        self.assertEqual(self.workers[0].types(), ["stats"])
 
     def test_cli_usage_errors_are_one_line_and_exit_2(self):
         # Refused before anything is sent: a malformed endpoint, n < 1. No traceback.
