@@ -104,6 +104,29 @@ class GenerateTest(FakeWorkerTestCase):
         self.assertEqual([o.outputs[0].token_ids for o in outs],
                          [expected_tokens([i], 0, 2, VOCAB) for i in range(6)])
 
+    def test_overloaded_worker_is_sent_requests_as_its_slots_free(self):
+        # A worker with max_pending_requests = 2; the client sends all 20 requests at once (80
+        # samples fit max_in_flight) and 18 are refused. Re-sends must follow finished
+        # requests, not timers: the timed back-off alone took about 8 s and 90 refusals here.
+        worker = self.workers[0]
+        worker.max_pending = 2
+        prompts = [[i % VOCAB] for i in range(20)]
+        client = VrollClient(worker.endpoint, timeout_s=10)
+        try:
+            start = time.monotonic()
+            outs = client.generate(prompts, SamplingParams(max_tokens=3), n=4)
+            elapsed_s = time.monotonic() - start
+        finally:
+            client.close(linger_ms=0)
+        for prompt, out in zip(prompts, outs):
+            self.assertEqual([c.token_ids for c in out.outputs],
+                             [expected_tokens(prompt, i, 3, VOCAB) for i in range(4)])
+        num_refused = worker.num_refused_overloaded
+        self.assertGreaterEqual(num_refused, len(prompts) - worker.max_pending)  # the burst
+        self.assertLessEqual(num_refused, len(prompts) + 2)
+        self.assertEqual(worker.types().count("generate"), len(prompts) + num_refused)
+        self.assertLess(elapsed_s, 2.0)
+
     def test_silent_worker_times_out_naming_it(self):
         self.workers[1].silent = True
         client = VrollClient([w.endpoint for w in self.workers], timeout_s=0.3)

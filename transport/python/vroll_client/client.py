@@ -69,10 +69,20 @@ class _Worker:
         self._linger_ms = linger_ms
         # Replaced by reset().
         self.socket: zmq.Socket = self._connect()
-        # generate() bookkeeping, reset at the start of every call.
+        # generate() bookkeeping, reset at the start of every call (reset_generate()).
+        self.last_heard = 0.0
+        self.reset_generate()
+
+    def reset_generate(self) -> None:
+        """Forgets the previous generate() call's load and overload state."""
         self.num_inflight_samples = 0
         self.num_inflight_requests = 0
-        self.last_heard = 0.0
+        # Requests of ours the worker accepted and has not finished.
+        self.num_accepted_requests = 0
+        # Overload control (see VrollClient._on_generate_reply): after an ``overloaded`` refusal,
+        # at most request_limit requests in flight (None: no limit known), and none sent before
+        # backoff_until (0: no back-off) unless one of ours finishes first.
+        self.request_limit: Optional[int] = None
         self.backoff_until = 0.0
         self.num_overloaded = 0
 
@@ -425,7 +435,9 @@ class VrollClient:
         Requests are spread over the workers, least loaded first (unfinished samples; ties in
         round-robin order), keeping up to ``max_in_flight`` samples at each; samples are
         collected as they stream back. A request a worker refuses as ``overloaded`` is re-sent
-        (to any worker) after a back-off, for up to ``timeout_s``.
+        (to any worker) for up to ``timeout_s``: to that worker as soon as one of this call's
+        requests finishes there, keeping no more in flight there than it held when it refused,
+        or else after a timed back-off.
 
         Args:
           prompts: token-id lists (ints, numpy ints fine), each non-empty and shorter than the
@@ -483,8 +495,7 @@ class VrollClient:
             return []
 
         for w in self._workers:
-            w.num_inflight_samples = w.num_inflight_requests = w.num_overloaded = 0
-            w.backoff_until = 0.0
+            w.reset_generate()
         queue = collections.deque(requests)
         in_flight: Dict[str, _PendingRequest] = {}
         num_done = 0
@@ -506,8 +517,16 @@ class VrollClient:
         num_workers = len(self._workers)
         while queue:
             now = time.monotonic()
+            for w in workers:
+                if 0 < w.backoff_until <= now:
+                    # The back-off ran out with none of ours finishing there: the worker may
+                    # have room from other clients' requests; probe one request more.
+                    w.backoff_until = 0.0
+                    if w.request_limit is not None:
+                        w.request_limit += 1
             n = queue[0].n
             candidates = [w for w in workers if now >= w.backoff_until and (
+                w.request_limit is None or w.num_inflight_requests < w.request_limit) and (
                 w.num_inflight_samples == 0 or w.num_inflight_samples + n <= self.max_in_flight)]
             if not candidates:
                 return
@@ -553,6 +572,7 @@ class VrollClient:
         type_ = header.get("type")
         if type_ == "accepted":
             request.accepted = True
+            w.num_accepted_requests += 1
             w.num_overloaded = 0
             return 0
         if type_ == "sample":
@@ -568,10 +588,19 @@ class VrollClient:
                 return 0
             del in_flight[request.request_id]
             w.num_inflight_requests -= 1
+            if request.accepted:
+                w.num_accepted_requests -= 1
+            # A pending slot of the worker is free: retry at once what it refused.
+            w.backoff_until = 0.0
             return 1
         if type_ == "error":
             error = WorkerError.from_reply(w.endpoint, header, f"generate {request.request_id}")
             if error.code == "overloaded" and not request.accepted and request.num_received == 0:
+                # Overload control. The worker holds all it takes (max_pending_requests): keep
+                # no more in flight there than it holds of ours (at least one), and re-send when
+                # one of ours finishes there; a timed back-off (doubling per refusal in a row,
+                # up to _MAX_OVERLOAD_BACKOFF_S) covers slots held by other clients, and when it
+                # runs out the limit grows by one (see _dispatch). Both last for this call.
                 if request.first_overloaded_at is None:
                     request.first_overloaded_at = now
                 elif now - request.first_overloaded_at > self.timeout_s:
@@ -579,6 +608,7 @@ class VrollClient:
                 del in_flight[request.request_id]
                 w.num_inflight_requests -= 1
                 w.num_inflight_samples -= request.n
+                w.request_limit = max(1, w.num_accepted_requests)
                 w.num_overloaded += 1
                 w.backoff_until = now + min(_MAX_OVERLOAD_BACKOFF_S,
                                             0.01 * 2 ** min(w.num_overloaded, 10))
