@@ -52,12 +52,19 @@ class FakeWorker:
       params: {name: shape} of the model (update manifests are checked against it).
       vocab_size: prompts and stop ids must be in [0, vocab_size).
       num_overloaded: the next this-many generate requests are refused as ``overloaded``.
+      max_pending: when > 0, hold accepted requests like an engine: their samples are sent
+        one request at a time, oldest first, each time the socket has been idle for 1 ms, and a
+        generate arriving while max_pending are held is refused as ``overloaded`` (as the
+        worker's max_pending_requests does).
       silent: never answer generate.
+      hang_after_accept: answer generate with ``accepted`` only, never with its samples (a hung
+        engine).
       reverse: hold samples until the socket is idle, then send them newest first.
       fail_verify: commit answers ``update_failed`` (as a real checksum mismatch would).
       bad_checksum: the applied ack reports a wrong weights_checksum.
     curve_secret_key (constructor): serve with CURVE on (any client key is admitted).
-    Observations: received (list of (type, header)), version, weights ({name: fp32 array}).
+    Observations: received (list of (type, header)), version, weights ({name: fp32 array}),
+    num_refused_overloaded (generate requests refused as ``overloaded``).
     """
 
     def __init__(self, params: Dict[str, List[int]], vocab_size: int = 64,
@@ -67,7 +74,10 @@ class FakeWorker:
         self.params = {k: list(v) for k, v in params.items()}
         self.vocab_size = vocab_size
         self.num_overloaded = 0
+        self.max_pending = 0
+        self.num_refused_overloaded = 0
         self.silent = False
+        self.hang_after_accept = False
         self.reverse = False
         self.fail_verify = False
         self.bad_checksum = False
@@ -76,6 +86,7 @@ class FakeWorker:
         self.received: List[Tuple[str, Dict[str, Any]]] = []
         self._update: Optional[Dict[str, Any]] = None
         self._held: List[List[bytes]] = []
+        self._running: List[Tuple[bytes, List[Dict[str, Any]]]] = []  # (peer, sample replies)
         self._stop = threading.Event()
         self._ready = threading.Event()
         self.endpoint = ""
@@ -108,7 +119,11 @@ class FakeWorker:
         self._ready.set()
         try:
             while not self._stop.is_set():
-                if not sock.poll(20):
+                if not sock.poll(1 if self._running else 20):
+                    if self._running:
+                        peer, samples = self._running.pop(0)
+                        for reply in samples:
+                            sock.send_multipart([peer, msgpack.packb(reply, use_bin_type=True)])
                     for frames in reversed(self._held):
                         sock.send_multipart(frames)
                     self._held.clear()
@@ -116,7 +131,11 @@ class FakeWorker:
                 frames = sock.recv_multipart()
                 peer, header, payload = frames[0], msgpack.unpackb(frames[1], raw=False), frames[2:]
                 self.received.append((header["type"], header))
-                for reply in self._handle(header, payload):
+                replies = self._handle(header, payload)
+                if self.max_pending > 0 and replies and replies[0]["type"] == "accepted":
+                    self._running.append((peer, replies[1:]))
+                    replies = replies[:1]
+                for reply in replies:
                     out = [peer, msgpack.packb(reply, use_bin_type=True)]
                     if self.reverse and reply["type"] == "sample":
                         self._held.append(out)
@@ -160,7 +179,12 @@ class FakeWorker:
             return []
         if self.num_overloaded > 0:
             self.num_overloaded -= 1
+            self.num_refused_overloaded += 1
             return [self._error(h, "overloaded", "max_pending_requests = 0 reached")]
+        if 0 < self.max_pending <= len(self._running):
+            self.num_refused_overloaded += 1
+            return [self._error(h, "overloaded",
+                                f"max_pending_requests = {self.max_pending} reached")]
         prompt = h["prompt"]
         for i, t in enumerate(prompt):
             if not 0 <= t < self.vocab_size:
@@ -170,6 +194,8 @@ class FakeWorker:
         max_new = h.get("sampling", {}).get("max_new_tokens", 16)
         replies = [{"v": 1, "type": "accepted", "id": h["id"], "request_id": h["request_id"],
                     "policy_version": self.version}]
+        if self.hang_after_accept:
+            return replies
         for i in range(n):
             ids = expected_tokens(prompt, i, max_new, self.vocab_size)
             replies.append({

@@ -4,14 +4,18 @@ import contextlib
 import io
 import json
 import os
+import subprocess
+import sys
 import tempfile
 import threading
+import time
 import unittest
 
 import numpy as np
 import torch
 import zmq
 
+import vroll_client
 from fake_worker import FakeWorker, expected_tokens, reference_weights_checksum
 from vroll_client import (SamplingParams, VrollClient, VrollTimeoutError, WeightUpdateError,
                           WorkerError, curve_keypair, curve_public_key,
@@ -21,6 +25,15 @@ from vroll_client.__main__ import main as cli_main
 PARAMS = {"model.embed_tokens.weight": [16, 8], "model.layers.0.mlp.up_proj.weight": [12, 8],
           "model.norm.weight": [8]}
 VOCAB = 16
+
+
+def wait_until(condition, what, timeout_s=5.0):
+    """Polls condition() until it holds; fails naming `what` after timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        time.sleep(0.005)
 
 
 def make_weights(seed, dtype=torch.float32):
@@ -91,6 +104,29 @@ class GenerateTest(FakeWorkerTestCase):
         self.assertEqual([o.outputs[0].token_ids for o in outs],
                          [expected_tokens([i], 0, 2, VOCAB) for i in range(6)])
 
+    def test_overloaded_worker_is_sent_requests_as_its_slots_free(self):
+        # A worker with max_pending_requests = 2; the client sends all 20 requests at once (80
+        # samples fit max_in_flight) and 18 are refused. Re-sends must follow finished
+        # requests, not timers: the timed back-off alone took about 8 s and 90 refusals here.
+        worker = self.workers[0]
+        worker.max_pending = 2
+        prompts = [[i % VOCAB] for i in range(20)]
+        client = VrollClient(worker.endpoint, timeout_s=10)
+        try:
+            start = time.monotonic()
+            outs = client.generate(prompts, SamplingParams(max_tokens=3), n=4)
+            elapsed_s = time.monotonic() - start
+        finally:
+            client.close(linger_ms=0)
+        for prompt, out in zip(prompts, outs):
+            self.assertEqual([c.token_ids for c in out.outputs],
+                             [expected_tokens(prompt, i, 3, VOCAB) for i in range(4)])
+        num_refused = worker.num_refused_overloaded
+        self.assertGreaterEqual(num_refused, len(prompts) - worker.max_pending)  # the burst
+        self.assertLessEqual(num_refused, len(prompts) + 2)
+        self.assertEqual(worker.types().count("generate"), len(prompts) + num_refused)
+        self.assertLess(elapsed_s, 2.0)
+
     def test_silent_worker_times_out_naming_it(self):
         self.workers[1].silent = True
         client = VrollClient([w.endpoint for w in self.workers], timeout_s=0.3)
@@ -102,6 +138,27 @@ class GenerateTest(FakeWorkerTestCase):
         finally:
             client.close(linger_ms=0)
 
+    def test_requests_of_a_silent_worker_are_aborted_on_it(self):
+        # The worker accepted the requests and then hung: they still hold its pending slots.
+        hung = self.workers[0]
+        hung.hang_after_accept = True
+        client = VrollClient(hung.endpoint, timeout_s=0.3)
+        try:
+            with self.assertRaises(VrollTimeoutError) as cm:
+                client.generate([[1], [2]])
+            self.assertEqual(cm.exception.worker, hung.endpoint)
+            request_ids = sorted(h["request_id"] for t, h in hung.received if t == "generate")
+            self.assertEqual(len(request_ids), 2)
+            wait_until(lambda: hung.types().count("abort") == 2, "aborts of both requests")
+            self.assertEqual(
+                sorted(h["request_id"] for t, h in hung.received if t == "abort"), request_ids)
+            # The client still works (on the reconnected socket).
+            hung.hang_after_accept = False
+            outs = client.generate([[4]], SamplingParams(max_tokens=2))
+            self.assertEqual(outs[0].outputs[0].token_ids, expected_tokens([4], 0, 2, VOCAB))
+        finally:
+            client.close(linger_ms=0)
+
     def test_bad_arguments_send_nothing(self):
         with self.assertRaises(TypeError):
             self.client.generate([[1], [1.5]])
@@ -110,6 +167,36 @@ class GenerateTest(FakeWorkerTestCase):
         self.assertEqual(self.client.generate([]), [])
         for w in self.workers:
             self.assertEqual(w.types(), [])
+
+
+    def test_ints_msgpack_cannot_carry_are_refused_naming_the_field(self):
+        cases = [
+            (lambda: self.client.generate([[1]], SamplingParams(seed=2 ** 64)), ValueError,
+             "sampling.seed = 18446744073709551616 must be in [0, 2**64)"),
+            (lambda: self.client.generate([[1], [2]], [SamplingParams(),
+                                                       SamplingParams(max_tokens="5")]),
+             TypeError, "sampling_params[1]: sampling.max_tokens = '5' must be an int"),
+            (lambda: self.client.generate([[1]], min_policy_version=2 ** 64), ValueError,
+             "min_policy_version = 18446744073709551616 must be in [0, 2**64)"),
+            (lambda: self.client.generate([[1]], min_policy_version="3"), TypeError,
+             "min_policy_version = '3' must be an int"),
+            (lambda: self.client.generate([[1]], n=2 ** 64), ValueError,
+             "n = 18446744073709551616 must be < 2**64"),
+            (lambda: self.client.push_weights(make_weights(1), version=2 ** 64), ValueError,
+             "version = 18446744073709551616 must be an int in [1, 2**64)"),
+        ]
+        for call, error, message in cases:
+            with self.subTest(message):
+                with self.assertRaises(error) as cm:
+                    call()
+                self.assertIn(message, str(cm.exception))
+        for w in self.workers:
+            self.assertEqual(w.types(), [])
+        # The largest values msgpack carries go out.
+        self.client.generate([[1]], SamplingParams(seed=np.uint64(2 ** 64 - 1), max_tokens=1),
+                             min_policy_version=np.int64(0))
+        sent = [h for w in self.workers for t, h in w.received if t == "generate"]
+        self.assertEqual(sent[0]["sampling"]["seed"], 2 ** 64 - 1)
 
 
 class PushWeightsTest(FakeWorkerTestCase):
@@ -253,6 +340,58 @@ class ControlTest(FakeWorkerTestCase):
         lines = [json.loads(line) for line in stdout.getvalue().splitlines()]
         self.assertEqual([l["prompt_token_ids"] for l in lines], [[1, 2], [3]])
         self.assertEqual(lines[1]["outputs"][1]["token_ids"], expected_tokens([3], 1, 3, VOCAB))
+
+    def test_cli_commands_without_reply_fields_print_ok(self):
+        for command in ("pause", "resume", "flush-cache"):
+            stdout = io.StringIO()
+            with contextlib.redirect_stdout(stdout):
+                rc = cli_main(["--endpoint", self.workers[0].endpoint, command])
+            self.assertEqual(rc, 0, command)
+            self.assertEqual(json.loads(stdout.getvalue()), {self.workers[0].endpoint: "ok"})
+        self.assertEqual(self.workers[0].types(), ["pause", "resume", "flush_cache"])
+
+    def test_cli_exits_quietly_when_stdout_is_closed(self):
+        class ClosedPipe(io.StringIO):
+            """A pipe whose reader has gone: fails on write or, when buffered, on flush."""
+
+            def __init__(self, fail_on_write):
+                super().__init__()
+                self.fail_on_write = fail_on_write
+
+            def write(self, text):
+                if self.fail_on_write:
+                    raise BrokenPipeError(32, "Broken pipe")
+                return super().write(text)
+
+            def flush(self):
+                raise BrokenPipeError(32, "Broken pipe")
+
+        for fail_on_write in (True, False):
+            stderr = io.StringIO()
+            with contextlib.redirect_stdout(ClosedPipe(fail_on_write)), \
+                    contextlib.redirect_stderr(stderr):
+                rc = cli_main(["--endpoint", self.workers[0].endpoint, "stats"])
+            self.assertEqual(rc, 141, f"fail_on_write={fail_on_write}")
+            self.assertEqual(stderr.getvalue(), "")
+        self.assertEqual(self.workers[0].types(), ["stats", "stats"])
+
+    def test_cli_process_writing_to_a_closed_pipe_exits_141_without_traceback(self):
+        # As `python3 -m vroll_client stats | head -1` once head has exited: no reader left.
+        read_end, write_end = os.pipe()
+        os.close(read_end)
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+            [os.path.dirname(os.path.dirname(vroll_client.__file__)),
+             os.environ.get("PYTHONPATH", "")]))
+        try:
+            proc = subprocess.run(
+                [sys.executable, "-m", "vroll_client", "--endpoint", self.workers[0].endpoint,
+                 "--timeout-s", "10", "stats"],
+                stdout=write_end, stderr=subprocess.PIPE, env=env, timeout=60)
+        finally:
+            os.close(write_end)
+        self.assertEqual(proc.stderr.decode(), "")
+        self.assertEqual(proc.returncode, 141)
+        self.assertEqual(self.workers[0].types(), ["stats"])
 
     def test_cli_usage_errors_are_one_line_and_exit_2(self):
         # Refused before anything is sent: a malformed endpoint, n < 1. No traceback.

@@ -89,6 +89,46 @@ class EncodingMatchesDocTest(unittest.TestCase):
         with self.assertRaisesRegex(TypeError, r"stop_token_ids\[0\]"):
             SamplingParams(stop_token_ids=["x"]).to_wire()
 
+    def test_sampling_argument_errors_name_the_field(self):
+        cases = [
+            ({"temperature": "hot"}, TypeError, "sampling.temperature = 'hot' must be a number"),
+            ({"temperature": True}, TypeError, "sampling.temperature = True must be a number"),
+            ({"top_p": None}, TypeError, "sampling.top_p = None must be a number"),
+            ({"max_tokens": "5"}, TypeError, "sampling.max_tokens = '5' must be an int"),
+            ({"max_tokens": True}, TypeError, "sampling.max_tokens = True must be an int"),
+            ({"max_tokens": 5.0}, TypeError, "sampling.max_tokens = 5.0 must be an int"),
+            ({"top_k": 1.5}, TypeError, "sampling.top_k = 1.5 must be an int"),
+            ({"seed": "7"}, TypeError, "sampling.seed = '7' must be an int"),
+            ({"seed": 2 ** 64}, ValueError,
+             "sampling.seed = 18446744073709551616 must be in [0, 2**64)"),
+            ({"seed": -1}, ValueError, "sampling.seed = -1 must be in [0, 2**64)"),
+            ({"max_tokens": 2 ** 64}, ValueError,
+             "sampling.max_tokens = 18446744073709551616 must be in [-2**63, 2**64)"),
+            ({"temperature": 10 ** 400}, ValueError, "sampling.temperature = 1" + "0" * 400 +
+             " is too large for a float"),
+        ]
+        for kwargs, error, message in cases:
+            with self.subTest(repr(kwargs)[:60]):
+                with self.assertRaises(error) as cm:
+                    SamplingParams(**kwargs).to_wire()
+                self.assertEqual(str(cm.exception), message)
+
+    def test_sampling_takes_numpy_scalars_and_the_whole_uint64_seed_range(self):
+        import numpy as np
+
+        wire = SamplingParams(temperature=np.float32(0.5), top_p=np.float64(0.25),
+                              top_k=np.int32(3), max_tokens=np.int64(7),
+                              seed=np.uint64(2 ** 64 - 1)).to_wire()
+        self.assertEqual(wire, {"temperature": 0.5, "top_p": 0.25, "top_k": 3,
+                                "max_new_tokens": 7, "stop_token_ids": [],
+                                "include_stop_token": True, "seed": 2 ** 64 - 1})
+        for key in ("temperature", "top_p"):
+            self.assertIs(type(wire[key]), float)
+        for key in ("top_k", "max_new_tokens", "seed"):
+            self.assertIs(type(wire[key]), int)
+        self.assertEqual(msgpack.unpackb(msgpack.packb(wire))["seed"], 2 ** 64 - 1)
+        self.assertEqual(SamplingParams(temperature=0, seed=0).to_wire()["temperature"], 0.0)
+
     def test_abort_fields(self):
         header = protocol.make_abort("r1", "a1")
         self.assertEqual(header, {"v": 1, "type": "abort", "id": "a1", "request_id": "r1"})

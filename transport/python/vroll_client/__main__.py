@@ -8,13 +8,17 @@ r"""Quick checks of running workers from a shell; prints JSON.
     /usr/bin/python3 -m vroll_client --endpoint tcp://10.0.0.5:5555 \
         --curve-server-key @worker.pub --curve-secret-key @trainer.key health
 
---endpoint repeats for several workers. Exit status: 0 ok, 1 a worker error or timeout, 2 usage.
+--endpoint repeats for several workers. Exit status: 0 ok, 1 a worker error or timeout, 2 usage,
+141 stdout closed early (e.g. piped into ``head``), quietly, as a command killed by SIGPIPE.
+Commands whose reply holds nothing (pause, resume, flush-cache, shutdown) print "ok" per worker.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import io
 import json
+import os
 import sys
 from typing import List, Optional
 
@@ -66,7 +70,35 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+#: Exit status when stdout is closed before everything was written: 128 + SIGPIPE, what a shell
+#: reports for a command that a closed pipe killed.
+EXIT_BROKEN_PIPE = 141
+
+
+def _discard_stdout() -> None:
+    """Points stdout's file descriptor at /dev/null, so that the interpreter's flush at exit
+    does not fail again on the closed pipe (a stdout without a descriptor is left alone)."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, ValueError, OSError, io.UnsupportedOperation):
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, fd)
+    os.close(devnull)
+
+
 def main(argv: Optional[List[str]] = None) -> int:
+    try:
+        status = _main(argv)
+        # Buffered output to a closed pipe fails here, not at the interpreter's exit.
+        sys.stdout.flush()
+        return status
+    except BrokenPipeError:
+        _discard_stdout()
+        return EXIT_BROKEN_PIPE
+
+
+def _main(argv: Optional[List[str]]) -> int:
     args = _parser().parse_args(argv)
     if args.command == "keygen":
         public, secret = curve_keypair()
@@ -92,7 +124,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                 print(json.dumps(dataclasses.asdict(out)))
         else:
             method = getattr(client, args.command.replace("-", "_"))
-            print(json.dumps(method(), indent=2, default=str))
+            replies = {endpoint: reply or "ok" for endpoint, reply in method().items()}
+            print(json.dumps(replies, indent=2, default=str))
         return 0
     except VrollError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -38,6 +38,9 @@ KeyLike = Union[str, bytes]
 _MAX_OVERLOAD_BACKOFF_S = 1.0
 #: How long update_abort may take when cleaning up after a failed push.
 _ABORT_TIMEOUT_S = 10.0
+#: How long the socket of a worker that went silent during generate lingers, after a reset, to
+#: deliver the aborts of its requests.
+_SILENCE_ABORT_LINGER_MS = 100
 #: Chunks sent between two non-blocking checks for early chunk errors.
 _CHUNKS_PER_ERROR_CHECK = 64
 
@@ -66,10 +69,20 @@ class _Worker:
         self._linger_ms = linger_ms
         # Replaced by reset().
         self.socket: zmq.Socket = self._connect()
-        # generate() bookkeeping, reset at the start of every call.
+        # generate() bookkeeping, reset at the start of every call (reset_generate()).
+        self.last_heard = 0.0
+        self.reset_generate()
+
+    def reset_generate(self) -> None:
+        """Forgets the previous generate() call's load and overload state."""
         self.num_inflight_samples = 0
         self.num_inflight_requests = 0
-        self.last_heard = 0.0
+        # Requests of ours the worker accepted and has not finished.
+        self.num_accepted_requests = 0
+        # Overload control (see VrollClient._on_generate_reply): after an ``overloaded`` refusal,
+        # at most request_limit requests in flight (None: no limit known), and none sent before
+        # backoff_until (0: no back-off) unless one of ours finishes first.
+        self.request_limit: Optional[int] = None
         self.backoff_until = 0.0
         self.num_overloaded = 0
 
@@ -97,10 +110,11 @@ class _Worker:
                              f"ipc:///PATH)") from None
         return sock
 
-    def reset(self) -> None:
-        """Drops every queued outgoing message and reconnects (after a timeout: a restarted
-        worker must not receive the dead one's backlog)."""
-        self.socket.close(linger=0)
+    def reset(self, linger_ms: int = 0) -> None:
+        """Closes the socket and reconnects on a new one (after a timeout: a restarted worker
+        must not receive the dead one's backlog). Messages still queued on the old socket go out
+        for up to linger_ms (0: dropped at once)."""
+        self.socket.close(linger=linger_ms)
         self.socket = self._connect()
 
     def close(self, linger_ms: Optional[int] = None) -> None:
@@ -265,9 +279,9 @@ class VrollClient:
             raise VrollTimeoutError(worker.endpoint, f"sending {request or header['type']}",
                                     self.timeout_s) from None
 
-    def _reset(self, worker: _Worker) -> None:
+    def _reset(self, worker: _Worker, linger_ms: int = 0) -> None:
         self._poller.unregister(worker.socket)
-        worker.reset()
+        worker.reset(linger_ms)
         self._poller.register(worker.socket, zmq.POLLIN)
 
     def _poll(self, timeout_s: float) -> List[Tuple[_Worker, Dict[str, Any], List[bytes]]]:
@@ -421,7 +435,9 @@ class VrollClient:
         Requests are spread over the workers, least loaded first (unfinished samples; ties in
         round-robin order), keeping up to ``max_in_flight`` samples at each; samples are
         collected as they stream back. A request a worker refuses as ``overloaded`` is re-sent
-        (to any worker) after a back-off, for up to ``timeout_s``.
+        (to any worker) for up to ``timeout_s``: to that worker as soon as one of this call's
+        requests finishes there, keeping no more in flight there than it held when it refused,
+        or else after a timed back-off.
 
         Args:
           prompts: token-id lists (ints, numpy ints fine), each non-empty and shorter than the
@@ -439,8 +455,9 @@ class VrollClient:
           TypeError / ValueError: a malformed prompt or argument (nothing sent).
           WorkerError: a worker refused a request (e.g. ``bad_field`` with field ``prompt[3]``);
             the call's other unfinished requests are aborted on their workers.
-          VrollTimeoutError: a worker with requests in flight stayed silent for timeout_s (the
-            other requests are aborted; the silent worker's socket is reset).
+          VrollTimeoutError: a worker with requests in flight stayed silent for timeout_s (every
+            unfinished request is aborted, the silent worker's best effort on its old socket,
+            which is then reset).
         """
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -452,8 +469,9 @@ class VrollClient:
                 raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"n = {n!r} must be an int >= 1")
-        if min_policy_version < 0:
-            raise ValueError(f"min_policy_version = {min_policy_version} must be >= 0")
+        if n >= protocol.WIRE_INT_END:
+            raise ValueError(f"n = {n} must be < 2**64")
+        min_policy_version = protocol.wire_int(min_policy_version, "min_policy_version", 0)
         workers = self._select(endpoints)
 
         requests: List[_PendingRequest] = []
@@ -461,7 +479,12 @@ class VrollClient:
         for i, (prompt, sp) in enumerate(zip(prompts, params)):
             wire = wire_cache.get(id(sp))
             if wire is None:
-                wire = wire_cache[id(sp)] = sp.to_wire()
+                try:
+                    wire = wire_cache[id(sp)] = sp.to_wire()
+                except (TypeError, ValueError) as exc:
+                    if isinstance(sampling_params, SamplingParams):
+                        raise
+                    raise type(exc)(f"sampling_params[{i}]: {exc}") from None
             rid = self._next_id("r")
             try:
                 header = protocol.make_generate(rid, prompt, n, wire, min_policy_version)
@@ -472,8 +495,7 @@ class VrollClient:
             return []
 
         for w in self._workers:
-            w.num_inflight_samples = w.num_inflight_requests = w.num_overloaded = 0
-            w.backoff_until = 0.0
+            w.reset_generate()
         queue = collections.deque(requests)
         in_flight: Dict[str, _PendingRequest] = {}
         num_done = 0
@@ -495,8 +517,16 @@ class VrollClient:
         num_workers = len(self._workers)
         while queue:
             now = time.monotonic()
+            for w in workers:
+                if 0 < w.backoff_until <= now:
+                    # The back-off ran out with none of ours finishing there: the worker may
+                    # have room from other clients' requests; probe one request more.
+                    w.backoff_until = 0.0
+                    if w.request_limit is not None:
+                        w.request_limit += 1
             n = queue[0].n
             candidates = [w for w in workers if now >= w.backoff_until and (
+                w.request_limit is None or w.num_inflight_requests < w.request_limit) and (
                 w.num_inflight_samples == 0 or w.num_inflight_samples + n <= self.max_in_flight)]
             if not candidates:
                 return
@@ -542,6 +572,7 @@ class VrollClient:
         type_ = header.get("type")
         if type_ == "accepted":
             request.accepted = True
+            w.num_accepted_requests += 1
             w.num_overloaded = 0
             return 0
         if type_ == "sample":
@@ -557,10 +588,19 @@ class VrollClient:
                 return 0
             del in_flight[request.request_id]
             w.num_inflight_requests -= 1
+            if request.accepted:
+                w.num_accepted_requests -= 1
+            # A pending slot of the worker is free: retry at once what it refused.
+            w.backoff_until = 0.0
             return 1
         if type_ == "error":
             error = WorkerError.from_reply(w.endpoint, header, f"generate {request.request_id}")
             if error.code == "overloaded" and not request.accepted and request.num_received == 0:
+                # Overload control. The worker holds all it takes (max_pending_requests): keep
+                # no more in flight there than it holds of ours (at least one), and re-send when
+                # one of ours finishes there; a timed back-off (doubling per refusal in a row,
+                # up to _MAX_OVERLOAD_BACKOFF_S) covers slots held by other clients, and when it
+                # runs out the limit grows by one (see _dispatch). Both last for this call.
                 if request.first_overloaded_at is None:
                     request.first_overloaded_at = now
                 elif now - request.first_overloaded_at > self.timeout_s:
@@ -568,6 +608,7 @@ class VrollClient:
                 del in_flight[request.request_id]
                 w.num_inflight_requests -= 1
                 w.num_inflight_samples -= request.n
+                w.request_limit = max(1, w.num_accepted_requests)
                 w.num_overloaded += 1
                 w.backoff_until = now + min(_MAX_OVERLOAD_BACKOFF_S,
                                             0.01 * 2 ** min(w.num_overloaded, 10))
@@ -582,8 +623,12 @@ class VrollClient:
         now = time.monotonic()
         for w in self._workers:
             if w.num_inflight_requests > 0 and now - w.last_heard > self.timeout_s:
-                self._reset(w)
+                # A hung (not dead) worker still holds the requests: abort them on the old
+                # socket, which lingers briefly to send the aborts, so that they do not keep
+                # max_pending_requests slots or run later for nobody.
                 stuck = [r for r in in_flight.values() if r.worker is w]
+                self._abort_requests(stuck)
+                self._reset(w, _SILENCE_ABORT_LINGER_MS)
                 for r in stuck:
                     del in_flight[r.request_id]
                 raise VrollTimeoutError(w.endpoint, f"generate ({len(stuck)} requests in flight)",
@@ -621,7 +666,8 @@ class VrollClient:
           named_tensors: {canonical name: torch.Tensor | numpy.ndarray}: float32, float16 or
             bfloat16 (sent as raw 2-byte words), any device (copied to CPU) and shape. Must not
             be modified until the call returns (bytes are sent from its memory).
-          version: the new policy version, greater than every worker's current one.
+          version: the new policy version, an int in [1, 2**64) greater than every worker's
+            current one.
           mode: what running sequences do at the swap: ``drain`` (finish under the old
             weights), ``abort``, ``restart`` or ``continue``.
           partial: True when named_tensors is a subset of the model's parameters (the
@@ -640,8 +686,10 @@ class VrollClient:
         Cost: one XXH3 pass over the bytes as sent, one float32 conversion pass for the
         weights checksum (unless partial), and one send of every byte to every worker.
         """
-        if isinstance(version, bool) or not isinstance(version, int) or version < 1:
-            raise ValueError(f"version = {version!r} must be an int >= 1 (initial weights are 0)")
+        if (isinstance(version, bool) or not isinstance(version, int)
+                or not 1 <= version < protocol.WIRE_INT_END):
+            raise ValueError(f"version = {version!r} must be an int in [1, 2**64) (initial "
+                             "weights are 0)")
         if mode not in protocol.UPDATE_MODES:
             raise ValueError(f"mode = {mode!r}; one of {protocol.UPDATE_MODES}")
         if not named_tensors:

@@ -6,6 +6,7 @@ frame 0. Tensor bytes never go through here: they travel as raw frames after the
 """
 from __future__ import annotations
 
+import numbers
 import operator
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence
 
@@ -44,6 +45,39 @@ def decode(frame: bytes) -> Dict[str, Any]:
     if not isinstance(header, dict):
         raise ValueError(f"reply frame 0 is a msgpack {type(header).__name__}, not a map")
     return header
+
+
+#: The integers a msgpack int carries: [WIRE_INT_MIN, WIRE_INT_END) (int64 and uint64).
+WIRE_INT_MIN = -2 ** 63
+WIRE_INT_END = 2 ** 64
+
+
+def wire_int(value: Any, what: str, minimum: int = WIRE_INT_MIN) -> int:
+    """``value`` as a plain int for a header field named ``what``.
+
+    Accepts Python and numpy integers (bool is not one). Raises TypeError naming ``what`` for
+    any other type, ValueError outside [minimum, 2**64) (what msgpack carries; the worker checks
+    the field's own range).
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{what} = {value!r} must be an int")
+    value = int(value)
+    if not minimum <= value < WIRE_INT_END:
+        low = "-2**63" if minimum == WIRE_INT_MIN else str(minimum)
+        raise ValueError(f"{what} = {value} must be in [{low}, 2**64)")
+    return value
+
+
+def wire_float(value: Any, what: str) -> float:
+    """``value`` as a float for a header field named ``what``: Python or numpy ints and floats
+    (bool is not a number here). Raises TypeError naming ``what`` for any other type, ValueError
+    for an int too large for a float."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{what} = {value!r} must be a number")
+    try:
+        return float(value)
+    except OverflowError:
+        raise ValueError(f"{what} = {value} is too large for a float") from None
 
 
 def _base(type_: str, id_: Optional[str]) -> Dict[str, Any]:

@@ -21,7 +21,7 @@ class SamplingParams:
       seed: seed of the request's generators (sample i draws from stream (seed, i)); None lets
         the worker draw one.
     The worker validates the values and answers a bad one with error ``bad_field`` naming
-    ``sampling.<field>``; the client only converts types.
+    ``sampling.<field>``; the client only checks types (to_wire) and converts them.
     """
 
     temperature: float = 1.0
@@ -33,17 +33,24 @@ class SamplingParams:
     seed: Optional[int] = None
 
     def to_wire(self) -> Dict[str, Any]:
-        """The protocol's ``sampling`` map. Raises TypeError for a non-integer stop token id."""
+        """The protocol's ``sampling`` map.
+
+        Raises (naming the field, e.g. ``sampling.max_tokens = '5' must be an int``):
+          TypeError: temperature or top_p not a number; top_k, max_tokens, seed or a stop token
+            id not an int (Python or numpy numbers are fine; bool is neither).
+          ValueError: an int msgpack cannot carry (seed outside [0, 2**64), top_k or max_tokens
+            outside [-2**63, 2**64)). Values inside are the worker's to check.
+        """
         wire: Dict[str, Any] = {
-            "temperature": float(self.temperature),
-            "top_p": float(self.top_p),
-            "top_k": int(self.top_k),
-            "max_new_tokens": int(self.max_tokens),
-            "stop_token_ids": protocol._token_ids(self.stop_token_ids, "stop_token_ids"),
+            "temperature": protocol.wire_float(self.temperature, "sampling.temperature"),
+            "top_p": protocol.wire_float(self.top_p, "sampling.top_p"),
+            "top_k": protocol.wire_int(self.top_k, "sampling.top_k"),
+            "max_new_tokens": protocol.wire_int(self.max_tokens, "sampling.max_tokens"),
+            "stop_token_ids": protocol._token_ids(self.stop_token_ids, "sampling.stop_token_ids"),
             "include_stop_token": bool(self.include_stop_token),
         }
         if self.seed is not None:
-            wire["seed"] = int(self.seed)
+            wire["seed"] = protocol.wire_int(self.seed, "sampling.seed", 0)
         return wire
 
 
