@@ -64,7 +64,7 @@ int main(int argc, char** argv) {
                num_files == 1 ? "" : "s", num_bytes, policy::DTypeName(options.dtype), hf.config.ToString());
     return 0;
   } catch (const std::exception& e) {
-    log.error("{}", e.what());
+    log.error("{}", vroll::policy::DescribeError(e));
     return 1;
   }
 }

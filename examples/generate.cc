@@ -14,6 +14,8 @@
 #include <ATen/Parallel.h>
 #include <CLI/CLI.hpp>
 
+#include "examples/cli_checks.h"
+#include "policy/errors.h"
 #include "policy/blas_setup.h"
 #include "policy/contiguous_kv_cache.h"
 #include "policy/default_model.h"
@@ -50,13 +52,13 @@ int main(int argc, char** argv) {
   app.add_option("--model", model_path, "llama2.c checkpoint (.bin); default: the embedded model")->check(CLI::ExistingFile);
   app.add_option("--tokenizer", tokenizer_path, "llama2.c tokenizer.bin (required with --model)")->check(CLI::ExistingFile);
   app.add_option("--prompt", prompt, "text to continue (default: empty, start from BOS)");
-  app.add_option("--max-new-tokens", params.max_new_tokens, "tokens to generate")->capture_default_str()->check(CLI::PositiveNumber);
+  app.add_option("--max-new-tokens", params.max_new_tokens, "tokens to generate")->capture_default_str()->check(vroll::examples::IntAtLeast(1));
   app.add_option("--temperature", params.temperature, "0 = greedy")->capture_default_str()->check(CLI::NonNegativeNumber);
   app.add_option("--top-p", params.top_p, "nucleus sampling mass in (0, 1]")->capture_default_str();
   app.add_option("--top-k", params.top_k, "keep the k most likely tokens (0 = off)")->capture_default_str();
   app.add_option("--seed", params.seed, "random seed")->capture_default_str();
   app.add_option("--device", device_name, "torch device (cpu, cuda, cuda:1, ...)")->capture_default_str();
-  app.add_option("--threads", threads, "intra-op threads (0 = all cores)")->capture_default_str();
+  app.add_option("--threads", threads, "intra-op threads (0 = all cores)")->capture_default_str()->check(vroll::examples::IntAtLeast(0));
   CLI11_PARSE(app, argc, argv);
 
   auto& log = vroll::Logger("examples");
@@ -132,11 +134,8 @@ int main(int argc, char** argv) {
     std::fflush(stdout);
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     log.info("generated {} tokens in {:.3f} s ({:.1f} tokens/s)", generated, seconds, generated / seconds);
-  } catch (const c10::Error& e) {  // LibTorch's own errors: the message without its backtrace
-    log.error("{}", e.what_without_backtrace());
-    return 1;
   } catch (const std::exception& e) {
-    log.error("{}", e.what());
+    log.error("{}", vroll::policy::DescribeError(e));
     return 1;
   }
   return 0;

@@ -15,6 +15,8 @@
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 
+#include "examples/cli_checks.h"
+#include "policy/errors.h"
 #include "policy/blas_setup.h"
 #include "policy/default_model.h"
 #include "policy/llama2c_loader.h"
@@ -34,13 +36,13 @@ int main(int argc, char** argv) {
   app.add_option("--model", model_path, "llama2.c checkpoint")->check(CLI::ExistingFile);
   app.add_option("--tokenizer", tokenizer_path, "llama2.c tokenizer.bin")->check(CLI::ExistingFile);
   app.add_option("--prompt", prompts, "prompt text (repeatable)");
-  app.add_option("--n", n, "samples per prompt")->capture_default_str();
-  app.add_option("--max-new-tokens", sampling.max_new_tokens)->capture_default_str();
+  app.add_option("--n", n, "samples per prompt")->capture_default_str()->check(vroll::examples::IntAtLeast(1));
+  app.add_option("--max-new-tokens", sampling.max_new_tokens)->capture_default_str()->check(vroll::examples::IntAtLeast(1));
   app.add_option("--temperature", sampling.temperature)->capture_default_str();
   app.add_option("--top-p", sampling.top_p)->capture_default_str();
   app.add_option("--top-k", sampling.top_k)->capture_default_str();
   app.add_option("--seed", seed, "request seeds are seed + prompt index")->capture_default_str();
-  app.add_option("--threads", threads, "intra-op threads (0 = all cores)")->capture_default_str();
+  app.add_option("--threads", threads, "intra-op threads (0 = all cores)")->capture_default_str()->check(vroll::examples::IntAtLeast(0));
   CLI11_PARSE(app, argc, argv);
   auto& log = vroll::Logger("examples");
   try {
@@ -88,7 +90,7 @@ int main(int argc, char** argv) {
                 static_cast<long long>(st.num_generated_tokens), st.tokens_per_second, st.peak_used_blocks,
                 st.num_blocks, st.prefix_hit_rate);
   } catch (const std::exception& e) {
-    log.error("{}", e.what());
+    log.error("{}", vroll::policy::DescribeError(e));
     return 1;
   }
   return 0;

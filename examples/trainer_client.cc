@@ -27,6 +27,8 @@
 #include <string>
 #include <vector>
 
+#include "examples/cli_checks.h"
+#include "policy/errors.h"
 #include "policy/default_model.h"
 #include "policy/llama2c_loader.h"
 #include "policy/logging.h"
@@ -175,8 +177,8 @@ int main(int argc, char** argv) {
       ->check(CLI::ExistingFile);
   app.add_option("--prompt", text_prompts, "prompt text (repeatable; needs a tokenizer: --tokenizer or no --model)");
   app.add_option("--prompt-ids", id_prompts, "prompt as comma-separated token ids (repeatable)");
-  app.add_option("--n", n, "samples per prompt")->capture_default_str()->check(CLI::PositiveNumber);
-  app.add_option("--max-new-tokens", sampling.max_new_tokens)->capture_default_str()->check(CLI::PositiveNumber);
+  app.add_option("--n", n, "samples per prompt")->capture_default_str()->check(vroll::examples::IntAtLeast(1));
+  app.add_option("--max-new-tokens", sampling.max_new_tokens)->capture_default_str()->check(vroll::examples::IntAtLeast(1));
   app.add_option("--temperature", sampling.temperature)->capture_default_str();
   app.add_option("--perturb-std", perturb_std, "std of the noise added to every weight before the second push")
       ->capture_default_str();
@@ -264,7 +266,7 @@ int main(int argc, char** argv) {
     std::printf("ok: %d samples, each tagged with the version it was requested under (%llu, then %llu)\n", num_samples,
                 static_cast<unsigned long long>(first), static_cast<unsigned long long>(first + 1));
   } catch (const std::exception& e) {
-    log.error("{}", e.what());
+    log.error("{}", vroll::policy::DescribeError(e));
     return 1;
   }
   return 0;

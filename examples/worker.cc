@@ -15,6 +15,8 @@
 
 #include <CLI/CLI.hpp>
 
+#include "examples/cli_checks.h"
+#include "policy/errors.h"
 #include "policy/blas_setup.h"
 #include "policy/default_model.h"
 #include "policy/llama2c_loader.h"
@@ -53,19 +55,19 @@ int main(int argc, char** argv) {
       ->check(CLI::ExistingFile);
   app.add_option("--endpoint", worker_config.endpoint, "tcp://HOST:PORT (tcp://127.0.0.1:* picks a port) or ipc://PATH")
       ->capture_default_str();
-  app.add_option("--kv-cache-mb", kv_cache_mb, "KV cache budget, MiB")->capture_default_str()->check(CLI::PositiveNumber);
+  app.add_option("--kv-cache-mb", kv_cache_mb, "KV cache budget, MiB")->capture_default_str()->check(vroll::examples::IntAtLeast(1));
   app.add_option("--max-num-seqs", engine_config.max_num_seqs, "sequences running at once (and the largest n)")
-      ->capture_default_str()->check(CLI::PositiveNumber);
+      ->capture_default_str()->check(vroll::examples::IntAtLeast(1));
   app.add_option("--max-num-batched-tokens", engine_config.max_num_batched_tokens, "tokens computed per step")
-      ->capture_default_str()->check(CLI::PositiveNumber);
+      ->capture_default_str()->check(vroll::examples::IntAtLeast(1));
   app.add_option("--max-pending", engine_config.max_pending_requests, "requests accepted and unfinished (beyond: overloaded)")
-      ->capture_default_str()->check(CLI::PositiveNumber);
-  app.add_option("--max-message-mb", max_message_mb, "largest frame accepted, MiB")->capture_default_str()->check(CLI::PositiveNumber);
+      ->capture_default_str()->check(vroll::examples::IntAtLeast(1));
+  app.add_option("--max-message-mb", max_message_mb, "largest frame accepted, MiB")->capture_default_str()->check(vroll::examples::IntAtLeast(1));
   app.add_option("--update-timeout-ms", worker_config.update_timeout_ms, "abort an update silent for this long")
-      ->capture_default_str()->check(CLI::PositiveNumber);
+      ->capture_default_str()->check(vroll::examples::IntAtLeast(1));
   app.add_option("--heartbeat-ms", worker_config.heartbeat_ms,
                  "PING each connection this often; close one silent for 3x as long (0 = off)")
-      ->capture_default_str()->check(CLI::NonNegativeNumber);
+      ->capture_default_str()->check(vroll::examples::IntAtLeast(0));
   app.add_option("--seed", engine_config.seed, "draws the seeds of requests that carry none")->capture_default_str();
   app.add_option("--curve-secret-key", secret_key_path, "file with this worker's Z85 CURVE secret key (turns CURVE on)")
       ->check(CLI::ExistingFile);
@@ -73,7 +75,7 @@ int main(int argc, char** argv) {
       ->check(CLI::ExistingFile);
   app.add_option("--curve-client-keys", client_keys_path, "allow-list file: Z85 public keys that may generate only")
       ->check(CLI::ExistingFile);
-  app.add_option("--threads", threads, "intra-op threads (0 = all cores)")->capture_default_str();
+  app.add_option("--threads", threads, "intra-op threads (0 = all cores)")->capture_default_str()->check(vroll::examples::IntAtLeast(0));
   CLI11_PARSE(app, argc, argv);
 
   auto& log = vroll::Logger("examples");
@@ -120,7 +122,7 @@ int main(int argc, char** argv) {
     engine.Stop();
     log.info("worker exited cleanly");
   } catch (const std::exception& e) {
-    log.error("{}", e.what());
+    log.error("{}", vroll::policy::DescribeError(e));
     return 1;
   }
   return 0;

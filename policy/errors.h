@@ -2,6 +2,7 @@
 // Exception types thrown at the policy layer's API edges. Messages always name the file (or
 // source) and the field that was wrong, e.g. "stories.bin: header field n_heads = 0 must be > 0".
 
+#include <exception>
 #include <stdexcept>
 #include <string>
 
@@ -18,5 +19,10 @@ class ConfigError : public std::invalid_argument {
  public:
   using std::invalid_argument::invalid_argument;
 };
+
+/// The message to show a user for `e`: what() for our exceptions; for LibTorch's c10::Error
+/// (e.g. a failed allocation, a missing device backend) its first line without the C++
+/// backtrace LibTorch appends. Thread safety: reentrant.
+std::string DescribeError(const std::exception& e);
 
 }  // namespace vroll::policy

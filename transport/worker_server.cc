@@ -448,7 +448,7 @@ struct WorkerServer::Impl {
     for (const auto& [ticket, r] : live) {
       if (r.peer == peer && aborted.emplace(r.engine_request_id, true).second) engine.Abort(r.engine_request_id);
     }
-    log.info("peer {} is gone (its connection closed); aborted its {} unfinished requests", Hex(peer), aborted.size());
+    log.warn("peer {} is gone (its connection closed); aborted its {} unfinished requests", Hex(peer), aborted.size());
   }
 
   /// Bookkeeping of live requests per peer (OnPeerGone).

@@ -17,6 +17,11 @@ grep -q "$BIN" /tmp/vroll_cli_err.$$ || { echo "error does not name the file:"; 
 if "$BIN" --device cuda --max-new-tokens 2 >"$out" 2>/tmp/vroll_cli_err.$$; then echo "--device cuda accepted on a CPU build"; exit 1; fi
 grep -q -- "--device cuda: " /tmp/vroll_cli_err.$$ || { echo "error does not name --device:"; cat /tmp/vroll_cli_err.$$; exit 1; }
 if grep -q "frame #" /tmp/vroll_cli_err.$$; then echo "error carries a backtrace:"; cat /tmp/vroll_cli_err.$$; exit 1; fi
+# Integer options name what they expect.
+"$BIN" --max-new-tokens 0 >"$out" 2>/tmp/vroll_cli_err.$$ && { echo "--max-new-tokens 0 accepted"; exit 1; }
+grep -q -- "--max-new-tokens: must be an integer >= 1 (got '0')" /tmp/vroll_cli_err.$$ || { cat /tmp/vroll_cli_err.$$; exit 1; }
+"$BIN" --threads -1 >"$out" 2>/tmp/vroll_cli_err.$$ && { echo "--threads -1 accepted"; exit 1; }
+grep -q -- "--threads: must be an integer >= 0 (got '-1')" /tmp/vroll_cli_err.$$ || { cat /tmp/vroll_cli_err.$$; exit 1; }
 rm -f /tmp/vroll_cli_err.$$
 if [ ! -f "$SHARED/models/stories260K.bin" ]; then echo "skipped: no $SHARED/models"; exit 77; fi
 "$BIN" --model "$SHARED/models/stories260K.bin" --tokenizer "$SHARED/models/tok512.bin" \

@@ -8,6 +8,8 @@
 
 #include <gtest/gtest.h>
 
+#include <c10/util/Exception.h>
+
 #include "policy/errors.h"
 #include "policy/weights.h"
 
@@ -176,6 +178,26 @@ TEST(WeightsTest, ValidateWeightsNamesTheBadWeight) {
   bad = weights;
   bad["lm_head.weight"] = weights.at("model.embed_tokens.weight");  // tied: no lm_head expected
   ExpectBadWeights(c, bad, "unexpected weight lm_head.weight");
+}
+
+}  // namespace
+}  // namespace vroll::policy
+
+namespace vroll::policy {
+namespace {
+
+TEST(DescribeErrorTest, LibTorchErrorsLoseTheirBacktraceOursStayWhole) {
+  // Oracle: LibTorch's own what() of the same error, which carries the backtrace lines.
+  try {
+    TORCH_CHECK(false, "boom: tensor x has 3 dims");
+  } catch (const c10::Error& e) {
+    const std::string shown = DescribeError(e);
+    EXPECT_NE(shown.find("boom: tensor x has 3 dims"), std::string::npos) << shown;
+    EXPECT_EQ(shown.find('\n'), std::string::npos) << shown;
+    EXPECT_GT(std::string(e.what()).size(), shown.size());  // what() holds more: the backtrace
+  }
+  const LoadError ours("stories.bin: header field n_heads = 0 must be > 0");
+  EXPECT_EQ(DescribeError(ours), ours.what());
 }
 
 }  // namespace
