@@ -234,8 +234,9 @@ std::vector<int32_t> ToInt32Array(const msgpack::object& o, const std::string& f
 rollout::SamplingParams ParseSampling(const MapReader& s, std::optional<uint64_t>& seed) {
   rollout::SamplingParams p;
   p.temperature = s.OptDouble("temperature", p.temperature);
-  if (!std::isfinite(p.temperature) || p.temperature < 0) {
-    BadField(s.Field("temperature"), fmt::format("= {} must be finite and >= 0 (0 = greedy)", p.temperature));
+  constexpr double kMin = rollout::SamplingParams::kMinTemperature;
+  if (!std::isfinite(p.temperature) || p.temperature < 0 || (p.temperature > 0 && p.temperature < kMin)) {
+    BadField(s.Field("temperature"), fmt::format("= {} must be 0 (greedy) or finite and >= {}", p.temperature, kMin));
   }
   p.top_p = s.OptDouble("top_p", p.top_p);
   if (!(p.top_p > 0 && p.top_p <= 1)) BadField(s.Field("top_p"), fmt::format("= {} must be in (0, 1]", p.top_p));

@@ -299,6 +299,9 @@ std::vector<BadCase> BadCases() {
   v.At("sampling").Set("temperature", Value::Double(-1));
   add("temperature -1", v, ErrorCode::kBadField, "sampling.temperature");
   v = GenerateHeader("r");
+  v.At("sampling").Set("temperature", Value::Double(1e-30));  // logits / 1e-30 overflow float32
+  add("temperature 1e-30", v, ErrorCode::kBadField, "sampling.temperature");
+  v = GenerateHeader("r");
   v.At("sampling").Set("temperature", Value::Double(std::nan("")));
   add("temperature NaN", v, ErrorCode::kBadField, "sampling.temperature");
   v = GenerateHeader("r");
