@@ -219,6 +219,7 @@ struct WorkerServer::Impl {
     uint64_t serial = 0;    // kApplying: the submission the engine will acknowledge
     std::string ack_peer;   // kApplying: who gets the applied ack, and its message id
     std::string ack_id;
+    std::string owner;      // the peer that began it (probed when another peer wants to begin)
   };
 
   /// One received multipart message, routing id first.
@@ -417,7 +418,8 @@ struct WorkerServer::Impl {
     }
   }
 
-  void Send(const std::string& peer, const WorkerMessage& message) {
+  /// Sends `message` to `peer`; false when the peer's connection is gone (then OnPeerGone ran).
+  bool Send(const std::string& peer, const WorkerMessage& message) {
     const std::string bytes = EncodeWorkerMessage(message);
     try {
       // The routing frame decides: a full queue (send_high_water_mark) answers EAGAIN (an empty
@@ -425,16 +427,23 @@ struct WorkerServer::Impl {
       if (!router.send(zmq::buffer(peer), zmq::send_flags::sndmore | zmq::send_flags::dontwait)) {
         log.debug("reply {} to peer {} dropped: its queue is full (send_high_water_mark = {})", TypeName(message),
                   Hex(peer), config.send_high_water_mark);
-        return;
+        return true;
       }
       router.send(zmq::buffer(bytes), zmq::send_flags::dontwait);
     } catch (const zmq::error_t& e) {
       if (e.num() == EHOSTUNREACH) {
         OnPeerGone(peer);
-      } else {
-        log.warn("reply {} to peer {} not sent: {}", TypeName(message), Hex(peer), e.what());
+        return false;
       }
+      log.warn("reply {} to peer {} not sent: {}", TypeName(message), Hex(peer), e.what());
     }
+    return true;
+  }
+
+  HealthMsg MakeHealth(const std::string& id) const {
+    const policy::ModelConfig& model = engine.model_config();
+    return HealthMsg{id, !shutting_down, engine.policy_version(),
+                     ModelInfo{model.vocab_size, model.max_seq_len, model.dim, model.n_layers}, kProtocolVersion};
   }
 
   /// A send found `peer`'s connection gone (closed, crashed, or replaced by a reconnect under a
@@ -622,13 +631,9 @@ struct WorkerServer::Impl {
         break;
       case ControlKind::kFlushCache: engine.FlushCache(); break;
       case ControlKind::kStats: Send(peer, StatsMsg{m.id, engine.stats()}); return;
-      case ControlKind::kHealth: {
-        const policy::ModelConfig& model = engine.model_config();
-        Send(peer, HealthMsg{m.id, !shutting_down, engine.policy_version(),
-                             ModelInfo{model.vocab_size, model.max_seq_len, model.dim, model.n_layers},
-                             kProtocolVersion});
+      case ControlKind::kHealth:
+        Send(peer, MakeHealth(m.id));
         return;
-      }
       case ControlKind::kShutdown:
         Send(peer, ControlAckMsg{m.id, m.kind});
         BeginShutdown(fmt::format("shutdown message from peer {}", Hex(peer)));
@@ -677,6 +682,16 @@ struct WorkerServer::Impl {
       SendError(peer, m.id, ErrorCode::kShuttingDown, "", "the worker is shutting down");
       return;
     }
+    if (update && update->phase != OpenUpdate::Phase::kApplying && update->owner != peer &&
+        !Send(update->owner, MakeHealth(""))) {
+      // The trainer that began the open update is gone (crashed, restarted): nobody will finish
+      // it, so another trainer need not wait for update_timeout_ms. The probe is a health reply
+      // with an empty id, which clients drop as matching no request of theirs.
+      log.warn("update '{}' (version {}) discarded: peer {} that began it is gone; peer {} begins '{}'",
+               update->update_id, update->version, Hex(update->owner), Hex(peer), m.update_id);
+      staging->Abort();
+      update.reset();
+    }
     if (update) {
       if (update->phase != OpenUpdate::Phase::kPoisoned) {
         SendError(peer, m.id, ErrorCode::kBusy, "",
@@ -700,6 +715,7 @@ struct WorkerServer::Impl {
     }
     OpenUpdate u;
     u.update_id = m.update_id;
+    u.owner = peer;
     u.mode = m.mode;
     u.version = m.manifest.version;
     u.last_message = Clock::now();

@@ -541,15 +541,17 @@ std::string_view BytesOf(const policy::HostTensor& t) {
   return {reinterpret_cast<const char*>(t.data.data()), t.data.size() * sizeof(float)};
 }
 
-TEST(WorkerServerTest, ATrainerDyingMidUpdateTimesOutAndTheWorkerKeepsItsVersion) {
+TEST(WorkerServerTest, ATrainerHangingMidUpdateTimesOutAndTheWorkerKeepsItsVersion) {
+  // The trainer hangs: its connection stays open, so only update_timeout_ms frees the worker
+  // (a trainer whose connection closed is handled at the next begin: see the test after this).
   WorkerConfig config;
   config.update_timeout_ms = 1000;
   WorkerHarness worker(config);
   const policy::WeightMap& weights = NewPolicy().weights;
+  ClientOptions options;
+  options.linger_ms = 0;
+  std::unique_ptr<Client> dying = Connect(worker.endpoint(), options);
   {
-    ClientOptions options;
-    options.linger_ms = 0;
-    auto dying = Connect(worker.endpoint(), options);
     dying->Send(FullBegin("begin", "doomed", weights, 1));
     EXPECT_EQ(NextAs<UpdateAckMsg>(*dying).stage, UpdateStage::kBegun);
     int num_sent = 0;
@@ -559,7 +561,7 @@ TEST(WorkerServerTest, ATrainerDyingMidUpdateTimesOutAndTheWorkerKeepsItsVersion
     }
     // The worker has the chunks once it answers a later message on the same connection.
     EXPECT_EQ(dying->Health().policy_version, 0u);
-  }  // the trainer is gone, its update half staged
+  }  // the trainer hangs, its update half staged
 
   // A new trainer is refused (busy) until the worker times the dead update out.
   auto trainer = Connect(worker.endpoint());
@@ -587,7 +589,8 @@ TEST(WorkerServerTest, ATrainerDyingMidUpdateTimesOutAndTheWorkerKeepsItsVersion
     }
     ASSERT_LT(Clock::now(), deadline) << "the dead trainer's update was never timed out";
   }
-  EXPECT_GT(num_busy, 0) << "the dead update should have held the worker for update_timeout_ms";
+  EXPECT_GT(num_busy, 0) << "the hung update should have held the worker for update_timeout_ms";
+  dying.reset();
   EXPECT_EQ(begun->stage, UpdateStage::kBegun);
   EXPECT_EQ(begun->version, 0u) << "the aborted update must not have changed the version";
 
@@ -603,6 +606,66 @@ TEST(WorkerServerTest, ATrainerDyingMidUpdateTimesOutAndTheWorkerKeepsItsVersion
   EXPECT_EQ(applied.weights_checksum, policy::WeightsChecksum(weights));
   const std::vector<Request> requests = SeededRequests("after", 2, 4);
   ExpectSameSamples(client->Generate(requests), InProcess(requests, NewPolicy()), 1);
+}
+
+TEST(WorkerServerTest, ACrashedTrainersOpenUpdateIsDiscardedWhenAnotherTrainerBegins) {
+  // The trainer's connection closes mid-update (a crash, a restart). When another trainer sends
+  // update_begin, the worker probes the first one, finds it gone and discards its update at once
+  // instead of answering busy for update_timeout_ms (a minute here: the test's deadline is 20 s).
+  WorkerConfig config;
+  config.update_timeout_ms = 60000;
+  WorkerHarness worker(config);
+  const policy::WeightMap& weights = NewPolicy().weights;
+  {
+    ClientOptions options;
+    options.linger_ms = 0;
+    auto crashing = Connect(worker.endpoint(), options);
+    crashing->Send(FullBegin("begin", "doomed", weights, 1));
+    EXPECT_EQ(NextAs<UpdateAckMsg>(*crashing).stage, UpdateStage::kBegun);
+    const auto& [name, t] = *weights.begin();
+    crashing->Send(UpdateChunkMsg{"chunk", "doomed", name, 0}, {BytesOf(t)});
+    EXPECT_EQ(crashing->Health().policy_version, 0u);
+  }  // closed, its update half staged
+  auto trainer = Connect(worker.endpoint());
+  const auto deadline = Clock::now() + std::chrono::milliseconds(kReplyWaitMs);
+  std::optional<UpdateAckMsg> begun;
+  UpdateBeginMsg fresh = FullBegin("", "fresh", weights, 2);
+  for (int attempt = 0; !begun; ++attempt) {  // busy only while libzmq still tears the pipe down
+    fresh.id = fmt::format("fresh-{}", attempt);
+    trainer->Send(fresh);
+    WorkerMessage reply = Next(*trainer);
+    if (auto* ack = std::get_if<UpdateAckMsg>(&reply)) {
+      begun = *ack;
+      break;
+    }
+    const auto* error = std::get_if<ErrorMsg>(&reply);
+    ASSERT_NE(error, nullptr) << TypeName(reply);
+    ASSERT_EQ(error->code, ErrorCode::kBusy) << error->message;
+    ASSERT_LT(Clock::now(), deadline) << "the crashed trainer's update still holds the worker";
+  }
+  EXPECT_EQ(begun->stage, UpdateStage::kBegun);
+  for (const auto& [name, t] : weights) trainer->Send(UpdateChunkMsg{"chunk", "fresh", name, 0}, {BytesOf(t)});
+  trainer->Send(UpdateCommitMsg{"commit", "fresh", true});
+  const UpdateAckMsg applied = NextAs<UpdateAckMsg>(*trainer);
+  EXPECT_EQ(applied.stage, UpdateStage::kApplied);
+  EXPECT_EQ(applied.version, 2u);
+  EXPECT_EQ(applied.weights_checksum, policy::WeightsChecksum(weights));
+  // A live trainer's open update is not discarded by another's begin (the probe reaches it).
+  trainer->Send(FullBegin("b3", "third", weights, 3));
+  EXPECT_EQ(NextAs<UpdateAckMsg>(*trainer).stage, UpdateStage::kBegun);
+  auto second = Connect(worker.endpoint());
+  second->Send(FullBegin("b4", "fourth", weights, 4));
+  EXPECT_EQ(NextAs<ErrorMsg>(*second).code, ErrorCode::kBusy);
+  // The probe the live trainer got is a health reply with an empty id; its next reply is its own.
+  trainer->Send(UpdateAbortMsg{"a3", "third"});
+  for (WorkerMessage m = Next(*trainer);; m = Next(*trainer)) {
+    if (MessageId(m).empty()) {
+      EXPECT_TRUE(std::holds_alternative<HealthMsg>(m)) << TypeName(m);
+      continue;
+    }
+    EXPECT_EQ(MessageId(m), "a3");
+    break;
+  }
 }
 
 // ---- Weight updates ----------------------------------------------------------------------------------
