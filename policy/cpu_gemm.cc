@@ -10,7 +10,7 @@
 // walk the packed weight once per call, so a decode step streams every weight from memory once
 // with no per-call repacking (what BLAS libraries do to unpacked weights on every GEMM).
 
-#include <xmmintrin.h>  // _mm_stream_ps, _mm_sfence: SSE, in every clone's ISA
+#include <immintrin.h>  // SSE _mm_stream_ps/_mm_sfence (every clone); AVX-512 intrinsics in target("avx512f") functions only
 
 #include <algorithm>
 #include <cstdint>
@@ -170,8 +170,82 @@ __attribute__((always_inline)) inline void PackPanel(const float* const* rows, i
 
 }  // namespace
 
+// ---- Packing with AVX-512 intrinsics ------------------------------------------------------------
+// The portable packing above (vector extensions, any ISA) transposes with two-source shuffles and
+// stores each 64-byte line as 4 SSE non-temporal stores; on AVX-512 GCC turns it into ~2.5x more
+// instructions than the transpose needs, so it runs at ~7 GB/s where the memory takes
+// non-temporal stores at ~20 GB/s (development VM, 60 MiB packed from cache-hot rows: 8.3 ms ->
+// 3.2 ms). This path is the textbook 16 x 16 transpose (4 stages of 16 in-lane and cross-lane
+// shuffles) and one 512-bit store per line. It only moves floats: its bits equal the portable
+// path's (tests compare them).
+
+namespace {
+
+/// Transposes the 16 x 16 block r[row][col] in place: r[c][l] <- r[l][c].
+__attribute__((target("avx512f"), always_inline)) inline void Transpose16Avx512(__m512* r) {
+  __m512 t[16];
+  // Per 128-bit lane: t[2i] = (a0 b0 a1 b1), t[2i+1] = (a2 b2 a3 b3) for rows a = r[2i], b = r[2i+1].
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  // r[4i + j], lane L: column 4L + j of rows 4i .. 4i + 3.
+  for (int i = 0; i < 4; ++i) {
+    r[4 * i + 0] = _mm512_shuffle_ps(t[4 * i + 0], t[4 * i + 2], 0x44);
+    r[4 * i + 1] = _mm512_shuffle_ps(t[4 * i + 0], t[4 * i + 2], 0xEE);
+    r[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+    r[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+  }
+  // Gather lane L of r[j], r[4 + j], r[8 + j], r[12 + j] into output row 4L + j (0x88: lanes 0, 2;
+  // 0xDD: lanes 1, 3 of each source).
+  for (int j = 0; j < 4; ++j) {
+    t[j] = _mm512_shuffle_f32x4(r[j], r[4 + j], 0x88);
+    t[j + 4] = _mm512_shuffle_f32x4(r[j], r[4 + j], 0xDD);
+    t[j + 8] = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0x88);
+    t[j + 12] = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0xDD);
+  }
+  for (int j = 0; j < 4; ++j) {
+    r[j] = _mm512_shuffle_f32x4(t[j], t[j + 8], 0x88);
+    r[j + 8] = _mm512_shuffle_f32x4(t[j], t[j + 8], 0xDD);
+    r[j + 4] = _mm512_shuffle_f32x4(t[j + 4], t[j + 12], 0x88);
+    r[j + 12] = _mm512_shuffle_f32x4(t[j + 4], t[j + 12], 0xDD);
+  }
+}
+
+/// PackPanel with AVX-512: same layout and bits.
+template <bool kStream>
+__attribute__((target("avx512f"))) void PackPanelAvx512(const float* const* rows, int64_t k, float* dst) {
+  const bool stream = kStream && reinterpret_cast<uintptr_t>(dst) % 64 == 0;
+  int64_t kk = 0;
+  for (; kk + kPanel <= k; kk += kPanel) {
+    __m512 v[kPanel];
+    for (int l = 0; l < kPanel; ++l) v[l] = rows[l] != nullptr ? _mm512_loadu_ps(rows[l] + kk) : _mm512_setzero_ps();
+    Transpose16Avx512(v);
+    if (stream) {
+      for (int c = 0; c < kPanel; ++c) _mm512_stream_ps(dst + (kk + c) * kPanel, v[c]);
+    } else {
+      for (int c = 0; c < kPanel; ++c) _mm512_storeu_ps(dst + (kk + c) * kPanel, v[c]);
+    }
+  }
+  for (; kk < k; ++kk) {
+    for (int64_t l = 0; l < kPanel; ++l) dst[kk * kPanel + l] = rows[l] != nullptr ? rows[l][kk] : 0.0f;
+  }
+}
+
+/// Whether packing takes the AVX-512 path: the CPU has it (decided once; never data-dependent).
+bool PackWithAvx512() {
+  static const bool avx512 = __builtin_cpu_supports("avx512f");
+  return avx512;
+}
+
+}  // namespace
+
+// ---- Packing entry points -------------------------------------------------------------------------
+
+namespace detail {
+
 __attribute__((target_clones("avx512f", "fma", "default")))
-void PackWeight(const float* w, int64_t n, int64_t k, int64_t tile_begin, int64_t tile_end, float* packed) {
+void PackWeightPortable(const float* w, int64_t n, int64_t k, int64_t tile_begin, int64_t tile_end, float* packed) {
   for (int64_t p = tile_begin * kPanelsPerTile; p < tile_end * kPanelsPerTile; ++p) {
     const float* rows[kPanel];
     for (int64_t l = 0; l < kPanel; ++l) {
@@ -183,7 +257,7 @@ void PackWeight(const float* w, int64_t n, int64_t k, int64_t tile_begin, int64_
 }
 
 __attribute__((target_clones("avx512f", "fma", "default")))
-void PackTileRows(const float* const* rows, int64_t n, int64_t k, int64_t tile, float* packed) {
+void PackTileRowsPortable(const float* const* rows, int64_t n, int64_t k, int64_t tile, float* packed) {
   const int64_t num_rows = std::min(kTileCols, n - tile * kTileCols);
   for (int64_t q = 0; q < kPanelsPerTile; ++q) {
     const float* panel_rows[kPanel];
@@ -192,6 +266,33 @@ void PackTileRows(const float* const* rows, int64_t n, int64_t k, int64_t tile, 
       panel_rows[l] = i < num_rows ? rows[i] : nullptr;
     }
     PackPanel<true>(panel_rows, k, packed + (tile * kPanelsPerTile + q) * k * kPanel);
+  }
+}
+
+}  // namespace detail
+
+void PackWeight(const float* w, int64_t n, int64_t k, int64_t tile_begin, int64_t tile_end, float* packed) {
+  if (!PackWithAvx512()) return detail::PackWeightPortable(w, n, k, tile_begin, tile_end, packed);
+  for (int64_t p = tile_begin * kPanelsPerTile; p < tile_end * kPanelsPerTile; ++p) {
+    const float* rows[kPanel];
+    for (int64_t l = 0; l < kPanel; ++l) {
+      const int64_t row = p * kPanel + l;
+      rows[l] = row < n ? w + row * k : nullptr;
+    }
+    PackPanelAvx512<false>(rows, k, packed + p * k * kPanel);
+  }
+}
+
+void PackTileRows(const float* const* rows, int64_t n, int64_t k, int64_t tile, float* packed) {
+  if (!PackWithAvx512()) return detail::PackTileRowsPortable(rows, n, k, tile, packed);
+  const int64_t num_rows = std::min(kTileCols, n - tile * kTileCols);
+  for (int64_t q = 0; q < kPanelsPerTile; ++q) {
+    const float* panel_rows[kPanel];
+    for (int64_t l = 0; l < kPanel; ++l) {
+      const int64_t i = q * kPanel + l;
+      panel_rows[l] = i < num_rows ? rows[i] : nullptr;
+    }
+    PackPanelAvx512<true>(panel_rows, k, packed + (tile * kPanelsPerTile + q) * k * kPanel);
   }
 }
 

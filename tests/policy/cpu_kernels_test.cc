@@ -3,9 +3,11 @@
 
 #include "policy/cpu_kernels.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <random>
+#include <string>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -126,6 +128,47 @@ TEST(CpuGemmTest, StreamedOutputEqualsOrdinaryStores) {
             ASSERT_EQ(std::memcmp(stream_buf + offset + i * ldy, y.data() + i * n, sizeof(float) * n), 0) << i;
           }
         }
+      }
+    }
+  }
+}
+
+// Packing has an AVX-512 intrinsics path (taken on CPUs with AVX-512F) and the portable one; both
+// must write the layout's definition, packed[(p * k + kk) * 16 + l] = w[p * 16 + l, kk] (zero
+// past row n), bit for bit, into aligned (non-temporal stores) and unaligned buffers.
+TEST(CpuPackTest, BothPathsWriteTheDefinedLayout) {
+  for (const auto& [n, k] : std::vector<std::pair<int64_t, int64_t>>{
+           {1, 1}, {16, 16}, {31, 17}, {32, 48}, {70, 20}, {100, 64}, {288, 288}, {40, 15}}) {
+    SCOPED_TRACE(std::to_string(n) + " x " + std::to_string(k));
+    const auto w = Random(n * k, static_cast<uint32_t>(n * 7 + k));
+    const int64_t size = PackedSize(n, k);
+    std::vector<float> expected(size);
+    for (int64_t p = 0; p < size / (kPanel * k); ++p) {
+      for (int64_t kk = 0; kk < k; ++kk) {
+        for (int64_t l = 0; l < kPanel; ++l) {
+          const int64_t row = p * kPanel + l;
+          expected[(p * k + kk) * kPanel + l] = row < n ? w[row * k + kk] : 0.0f;
+        }
+      }
+    }
+    std::vector<float> buffer(size + 32);
+    float* aligned = buffer.data();
+    while (reinterpret_cast<uintptr_t>(aligned) % 64 != 0) ++aligned;
+    for (float* out : {aligned, aligned + 1}) {
+      const char* where = out == aligned ? "aligned" : "unaligned";
+      for (int path = 0; path < 4; ++path) {
+        std::fill(buffer.begin(), buffer.end(), -1.0f);
+        if (path == 0) PackWeight(w.data(), n, k, 0, NumColumnTiles(n), out);
+        if (path == 1) detail::PackWeightPortable(w.data(), n, k, 0, NumColumnTiles(n), out);
+        for (int64_t t = 0; t < NumColumnTiles(n) && path >= 2; ++t) {
+          const float* rows[kTileCols] = {};
+          for (int64_t r = t * kTileCols; r < std::min(n, (t + 1) * kTileCols); ++r) rows[r - t * kTileCols] = &w[r * k];
+          if (path == 2) PackTileRows(rows, n, k, t, out);
+          if (path == 3) detail::PackTileRowsPortable(rows, n, k, t, out);
+        }
+        PackedStoreFence();
+        ASSERT_EQ(std::memcmp(out, expected.data(), sizeof(float) * size), 0) << where << ", path " << path;
+        EXPECT_EQ(out[size], -1.0f) << where << ", path " << path << ": wrote past the packed size";
       }
     }
   }
