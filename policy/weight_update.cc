@@ -1,6 +1,5 @@
 #include "policy/weight_update.h"
 
-#include <xxhash.h>
 
 #if defined(__SSE2__)
 #include <emmintrin.h>
@@ -48,10 +47,10 @@ uint16_t LoadU16(const uint8_t* p) {
   return value;
 }
 
-void AppendU64Le(XXH3_state_t* state, uint64_t value) {
+void AppendU64Le(Xxh3Stream& state, uint64_t value) {
   uint8_t bytes[8];
   for (int i = 0; i < 8; ++i) bytes[i] = static_cast<uint8_t>(value >> (8 * i));
-  XXH3_64bits_update(state, bytes, sizeof(bytes));
+  state.Update(bytes, sizeof(bytes));
 }
 
 /// "No element": Slot::first_nonfinite when every checked value is finite.
@@ -125,11 +124,7 @@ void StoreFence() {
 #endif
 }
 
-std::shared_ptr<XXH3_state_t> NewHashState() {
-  std::shared_ptr<XXH3_state_t> state(XXH3_createState(), [](XXH3_state_t* s) { XXH3_freeState(s); });
-  VROLL_CHECK(state != nullptr, "XXH3_createState failed");
-  return state;
-}
+std::shared_ptr<Xxh3Stream> NewHashState() { return std::make_shared<Xxh3Stream>(); }
 
 }  // namespace
 
@@ -191,7 +186,7 @@ float BFloat16ToFloat(uint16_t bits) { return FloatFromBits(static_cast<uint32_t
 // Checksums.
 
 uint64_t TensorChecksum(const void* bytes, size_t num_bytes) {
-  return XXH3_64bits(num_bytes == 0 ? "" : bytes, num_bytes);
+  return Xxh3Hash64(bytes, num_bytes);
 }
 
 uint64_t WeightsChecksum(std::vector<NamedTensorView> tensors) {
@@ -217,15 +212,14 @@ uint64_t WeightsChecksumFromDigests(std::vector<NamedTensorDigest> tensors) {
       throw WeightUpdateError(fmt::format("WeightsChecksum: tensor name '{}' appears twice", tensors[i].name));
     }
   }
-  const std::shared_ptr<XXH3_state_t> state = NewHashState();
-  VROLL_CHECK(XXH3_64bits_reset(state.get()) == XXH_OK, "XXH3_64bits_reset failed");
+  Xxh3Stream state;
   for (const NamedTensorDigest& tensor : tensors) {
-    AppendU64Le(state.get(), tensor.name.size());
-    XXH3_64bits_update(state.get(), tensor.name.data(), tensor.name.size());
-    AppendU64Le(state.get(), tensor.numel * sizeof(float));
-    AppendU64Le(state.get(), tensor.digest);
+    AppendU64Le(state, tensor.name.size());
+    state.Update(tensor.name.data(), tensor.name.size());
+    AppendU64Le(state, tensor.numel * sizeof(float));
+    AppendU64Le(state, tensor.digest);
   }
-  return XXH3_64bits_digest(state.get());
+  return state.Digest();
 }
 
 uint64_t WeightsChecksum(const WeightMap& weights) {
@@ -368,7 +362,7 @@ UpdateStatus WeightUpdateStaging::Begin(const UpdateManifest& manifest, PolicyVe
     slot.span = FloatSpan(Values(slot), slot.numel);
     if (slot.dtype != DType::kF32) slot.raw.resize(slot.num_bytes);
     if (!slot.hash) slot.hash = NewHashState();
-    VROLL_CHECK(XXH3_64bits_reset(slot.hash.get()) == XXH_OK, "XXH3_64bits_reset failed");
+    slot.hash->Reset();
     slot.num_hashed_bytes = 0;
     slot.num_checked_elems = 0;
     slot.first_nonfinite = kNoElement;
@@ -493,11 +487,11 @@ void WeightUpdateStaging::Finalize(size_t index) {
   if (slot.dtype != DType::kF32) {
     // The source bytes' digest is kept for Verify; the hash state then hashes the fp32 values,
     // each converted block while in cache.
-    slot.source_digest = XXH3_64bits_digest(slot.hash.get());
+    slot.source_digest = slot.hash->Digest();
     float* out = Values(slot);
     const uint8_t* in = slot.raw.data();
     const bool half = slot.dtype == DType::kF16;
-    VROLL_CHECK(XXH3_64bits_reset(slot.hash.get()) == XXH_OK, "XXH3_64bits_reset failed");
+    slot.hash->Reset();
     for (uint64_t begin = 0, end = 0; begin < slot.numel; begin = end) {
       end = NextBlockEnd(slot, begin);
       if (half) {
@@ -505,14 +499,14 @@ void WeightUpdateStaging::Finalize(size_t index) {
       } else {
         for (uint64_t i = begin; i < end; ++i) out[i] = BFloat16ToFloat(LoadU16(in + 2 * i));
       }
-      XXH3_64bits_update(slot.hash.get(), out + begin, (end - begin) * sizeof(float));
+      slot.hash->Update(out + begin, (end - begin) * sizeof(float));
       if (slot.first_nonfinite == kNoElement) {
         const uint64_t first = FirstNonFinite(reinterpret_cast<const uint8_t*>(out + begin), end - begin);
         if (first != kNoElement) slot.first_nonfinite = begin + first;
       }
       ReportPrefix(index, end, out + begin);
     }
-    slot.values_checksum = XXH3_64bits_digest(slot.hash.get());
+    slot.values_checksum = slot.hash->Digest();
   }
   ReportPrefix(index, slot.numel);  // fp32: every value already joined the prefix in Write
   slot.finalized = true;
@@ -544,7 +538,7 @@ void WeightUpdateStaging::ReportPrefix(size_t index, uint64_t elem_end, const fl
 void WeightUpdateStaging::HashPrefix(Slot& slot, uint64_t end, const uint8_t* bytes) {
   const uint64_t begin = slot.num_hashed_bytes;
   if (bytes == nullptr) bytes = SourceBytes(slot) + begin;
-  XXH3_64bits_update(slot.hash.get(), bytes, end - begin);
+  slot.hash->Update(bytes, end - begin);
   slot.num_hashed_bytes = end;
   if (slot.dtype != DType::kF32 || slot.first_nonfinite != kNoElement) return;
   // Elements [num_checked_elems, end / 4) are now whole. At most the first one starts before
@@ -616,7 +610,7 @@ UpdateStatus WeightUpdateStaging::Verify() {
     Slot& slot = slots_[index];
     if (slot.num_hashed_bytes < slot.num_bytes) HashPrefix(slot, slot.num_bytes);
     const uint64_t actual =
-        slot.finalized && slot.dtype != DType::kF32 ? slot.source_digest : XXH3_64bits_digest(slot.hash.get());
+        slot.finalized && slot.dtype != DType::kF32 ? slot.source_digest : slot.hash->Digest();
     if (actual != slot.checksum) {
       return Poison(fmt::format(
           "{}tensor {}: checksum mismatch: manifest says {:#018x}, the {} {} bytes received hash to {:#018x} "

@@ -41,8 +41,7 @@
 
 #include "policy/policy_version.h"
 #include "policy/weights.h"
-
-struct XXH3_state_s;  // xxhash.h's XXH3_state_t, kept out of this header
+#include "policy/xxh3.h"
 
 namespace vroll::policy {
 
@@ -407,7 +406,7 @@ class WeightUpdateStaging {
     // being first_nonfinite (kNoElement: none).
     //   [0 ....... num_hashed_bytes)[ ... written or not ... num_bytes)
     //   hashed, checked               hashed later (Write as the gap fills, or Verify)
-    std::shared_ptr<XXH3_state_s> hash;  // created on first use, reused
+    std::shared_ptr<Xxh3Stream> hash;  // created on first use, reused
     uint64_t num_hashed_bytes = 0;
     uint64_t num_checked_elems = 0;
     uint64_t first_nonfinite = 0;

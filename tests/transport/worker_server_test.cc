@@ -360,7 +360,9 @@ TEST(WorkerServerTest, AGoneClientsUnfinishedRequestsAreAborted) {
   }
   int64_t full_tokens = 0;
   for (const SampleResult& s : InProcess(requests)) {
-    if (s.request_id != "short") ASSERT_GE(s.output_ids.size(), 200u) << s.request_id << " stops early";
+    if (s.request_id != "short") {
+      ASSERT_GE(s.output_ids.size(), 200u) << s.request_id << " stops early";
+    }
     full_tokens += static_cast<int64_t>(s.output_ids.size());
   }
   WorkerHarness worker;
