@@ -20,6 +20,10 @@
 //     acknowledging after the last byte, the bytes sent without a copy as the client sends them;
 //     `raw, copying send` copies each frame first, as zmq_send does. Runs alternate (raw, raw
 //     copying, update) so that load from other processes hits all alike; medians are reported.
+//     `ratio` = median raw seconds / median update seconds; `paired ratio` = the median over runs
+//     of raw seconds / update seconds of the same run (the raw transfer just before the update),
+//     which follows the VM's speed changes between runs (single cells of `ratio` swing by 10-25
+//     points between invocations on the 2-core development VM).
 //     A second table splits the update time into the engine's stall (ack stall_ms) and the rest.
 //  2. Stall, engine busy. A generating client keeps `--in-flight` single-sample requests
 //     (max_new_tokens uniform in [1, 16], so samples finish at nearly every step) on the worker
@@ -310,6 +314,7 @@ struct Row {
   std::string transport;
   double mib = 0;
   double update_mibps = 0, raw_mibps = 0, raw_copy_mibps = 0, push_mibps = 0;
+  double paired_ratio = 0;  // median over runs of raw seconds / update seconds within one run
   std::vector<double> stall_ms, gap_ms, wait_ms;
   double steady_gap_p50_ms = 0, steady_gap_max_ms = 0;            // between bursts of samples: about one step
   double idle_update_ms = 0, idle_raw_ms = 0, idle_stall_ms = 0;  // medians, engine idle
@@ -380,6 +385,9 @@ Row RunCell(const vroll::policy::Checkpoint& ckpt, const std::string& transport_
   row.raw_mibps = total / kMiB / Median(raw_s);
   row.raw_copy_mibps = total / kMiB / Median(raw_copy_s);
   row.update_mibps = total / kMiB / Median(update_s);
+  std::vector<double> ratios;
+  for (size_t i = 0; i < update_s.size(); ++i) ratios.push_back(raw_s[i] / update_s[i]);
+  row.paired_ratio = Median(ratios);
   row.push_mibps = total / kMiB / Median(push_s);
   row.idle_update_ms = 1e3 * Median(update_s);
   row.idle_raw_ms = 1e3 * Median(raw_s);
@@ -508,10 +516,10 @@ int main(int argc, char** argv) {
       opt.swap ? "buffer swap" : "copy",
       opt.swap && opt.prepack ? ", GEMM weights packed while staged" : ", GEMM weights repacked in the apply");
   std::printf(
-      "| transport | size MiB | update MiB/s | raw ZeroMQ MiB/s | ratio | raw, copying send MiB/s | PushWeights "
+      "| transport | size MiB | update MiB/s | raw ZeroMQ MiB/s | ratio | paired ratio | raw, copying send MiB/s | PushWeights "
       "call MiB/s | stall_ms p50 / max | client gap ms p50 / max | steady gap ms p50 / max | wait_ms p50 / max "
       "|\n");
-  std::printf("|---|---|---|---|---|---|---|---|---|---|---|\n");
+  std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|\n");
   std::fflush(stdout);
   bool ok = true;
   std::vector<Row> rows;
@@ -524,8 +532,9 @@ int main(int argc, char** argv) {
         return 2;
       }
       const Row r = RunCell(ckpt, t, opt);
-      std::printf("| %s | %.1f | %.0f | %.0f | %.0f%% | %.0f | %.0f | %s | %s | %.1f / %.1f | %s |\n",
+      std::printf("| %s | %.1f | %.0f | %.0f | %.0f%% | %.0f%% | %.0f | %.0f | %s | %s | %.1f / %.1f | %s |\n",
                   r.transport.c_str(), r.mib, r.update_mibps, r.raw_mibps, 100 * r.update_mibps / r.raw_mibps,
+                  100 * r.paired_ratio,
                   r.raw_copy_mibps, r.push_mibps, Stat(r.stall_ms).c_str(), Stat(r.gap_ms).c_str(), r.steady_gap_p50_ms,
                   r.steady_gap_max_ms, Stat(r.wait_ms).c_str());
       std::fflush(stdout);
