@@ -323,6 +323,11 @@ UpdateStatus WeightUpdateStaging::CheckManifest(const UpdateManifest& manifest, 
         fmt::format("{}refused: version {} is not greater than the current policy version {}", Prefix(),
                     manifest.version, current_version));
   }
+  if (manifest.version == std::numeric_limits<PolicyVersion>::max()) {
+    return UpdateStatus::Error(fmt::format(
+        "{}refused: version {} (2^64 - 1) is reserved: no later update could ever follow it", Prefix(),
+        manifest.version));
+  }
   if (manifest.tensors.empty()) return UpdateStatus::Error(Prefix() + "refused: the manifest names no tensors");
   for (const TensorManifestEntry& entry : manifest.tensors) {
     const auto it = index_by_name_.find(entry.name);

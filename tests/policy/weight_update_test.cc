@@ -565,6 +565,19 @@ TEST_F(WeightUpdateStagingTest, VersionNotGreaterThanCurrentIsRefusedAtBegin) {
   ExpectPoisonedThenRecovers(staging_.Begin(ManifestFor(7, sources), 7), 7);
 }
 
+TEST_F(WeightUpdateStagingTest, TheLastVersionIsReservedBecauseNothingCouldFollowIt) {
+  const std::vector<SourceTensor> sources = RandomSources(staging_.params(), rng_);
+  const PolicyVersion last = std::numeric_limits<PolicyVersion>::max();
+  const UpdateStatus status = staging_.Begin(ManifestFor(last, sources), 7);
+  ASSERT_FALSE(status.ok());
+  EXPECT_THAT(status.error(), AllOf(HasSubstr("version 18446744073709551615 (2^64 - 1) is reserved"),
+                                    HasSubstr("no later update")));
+  ExpectPoisonedThenRecovers(status, 7);
+  const UpdateStatus below = staging_.Begin(ManifestFor(last - 1, sources), 8);  // the largest usable version
+  EXPECT_TRUE(below.ok()) << below.error();
+  staging_.Abort();
+}
+
 TEST_F(WeightUpdateStagingTest, UnknownTensorInManifestPoisonsAndNamesIt) {
   std::vector<SourceTensor> sources = RandomSources(staging_.params(), rng_);
   sources[2].name = "model.layers.9.self_attn.q_proj.weight";

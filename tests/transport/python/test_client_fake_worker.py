@@ -183,7 +183,9 @@ class GenerateTest(FakeWorkerTestCase):
             (lambda: self.client.generate([[1]], n=2 ** 64), ValueError,
              "n = 18446744073709551616 must be < 2**64"),
             (lambda: self.client.push_weights(make_weights(1), version=2 ** 64), ValueError,
-             "version = 18446744073709551616 must be an int in [1, 2**64)"),
+             "version = 18446744073709551616 must be an int in [1, 2**64 - 1)"),
+            (lambda: self.client.push_weights(make_weights(1), version=2 ** 64 - 1), ValueError,
+             "version = 18446744073709551615 must be an int in [1, 2**64 - 1)"),
         ]
         for call, error, message in cases:
             with self.subTest(message):

@@ -666,7 +666,7 @@ class VrollClient:
           named_tensors: {canonical name: torch.Tensor | numpy.ndarray}: float32, float16 or
             bfloat16 (sent as raw 2-byte words), any device (copied to CPU) and shape. Must not
             be modified until the call returns (bytes are sent from its memory).
-          version: the new policy version, an int in [1, 2**64) greater than every worker's
+          version: the new policy version, an int in [1, 2**64 - 1) greater than every worker's
             current one.
           mode: what running sequences do at the swap: ``drain`` (finish under the old
             weights), ``abort``, ``restart`` or ``continue``.
@@ -687,9 +687,9 @@ class VrollClient:
         weights checksum (unless partial), and one send of every byte to every worker.
         """
         if (isinstance(version, bool) or not isinstance(version, int)
-                or not 1 <= version < protocol.WIRE_INT_END):
-            raise ValueError(f"version = {version!r} must be an int in [1, 2**64) (initial "
-                             "weights are 0)")
+                or not 1 <= version < protocol.WIRE_INT_END - 1):
+            raise ValueError(f"version = {version!r} must be an int in [1, 2**64 - 1) (initial "
+                             "weights are 0; 2**64 - 1 is reserved: nothing could follow it)")
         if mode not in protocol.UPDATE_MODES:
             raise ValueError(f"mode = {mode!r}; one of {protocol.UPDATE_MODES}")
         if not named_tensors:
