@@ -367,6 +367,7 @@ struct WorkerServer::Impl {
         HandleSafely(*in);
       }
       CheckUpdateTimeout();
+      ProbePeers();
       if (shutting_down) {
         const bool applying = update && update->phase == OpenUpdate::Phase::kApplying;
         if (live.empty() && !applying) break;
@@ -386,6 +387,9 @@ struct WorkerServer::Impl {
       deadline = update->last_message + std::chrono::milliseconds(config.update_timeout_ms);
     }
     if (shutting_down && (!deadline || grace_deadline < *deadline)) deadline = grace_deadline;
+    if (config.heartbeat_ms > 0 && !live_per_peer.empty() && (!deadline || next_peer_probe < *deadline)) {
+      deadline = next_peer_probe;
+    }
     if (!deadline) return -1;
     const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(*deadline - Clock::now()).count();
     return left <= 0 ? 0 : static_cast<long>(left + 1);
@@ -460,8 +464,28 @@ struct WorkerServer::Impl {
     log.warn("peer {} is gone (its connection closed); aborted its {} unfinished requests", Hex(peer), aborted.size());
   }
 
+  /// Every heartbeat_ms, sends each client with unfinished requests a liveness probe: a health
+  /// reply with an empty id, which clients drop as matching no request of theirs. Routing it fails
+  /// for a connection that is gone, and OnPeerGone aborts that client's requests. Without it a
+  /// gone client is noticed only at its next reply: after its shortest request finishes, or, for
+  /// requests waiting on a min_policy_version, once that version arrives.
+  void ProbePeers() {
+    if (config.heartbeat_ms <= 0 || live_per_peer.empty()) return;
+    const Clock::time_point now = Clock::now();
+    if (now < next_peer_probe) return;
+    next_peer_probe = now + std::chrono::milliseconds(config.heartbeat_ms);
+    std::vector<std::string> peers;  // Send may run OnPeerGone, which aborts but erases nothing
+    for (const auto& [peer, count] : live_per_peer) {
+      if (gone_peers.count(peer) == 0) peers.push_back(peer);
+    }
+    const HealthMsg probe = MakeHealth("");
+    for (const std::string& peer : peers) (void)Send(peer, probe);
+  }
+
   /// Bookkeeping of live requests per peer (OnPeerGone).
   void AddLive(uint64_t ticket, LiveRequest r) {
+    // The first probe comes heartbeat_ms after the worker has unfinished requests again.
+    if (live_per_peer.empty()) next_peer_probe = Clock::now() + std::chrono::milliseconds(config.heartbeat_ms);
     ++live_per_peer[r.peer];
     live.emplace(ticket, std::move(r));
   }
@@ -979,6 +1003,7 @@ struct WorkerServer::Impl {
   std::unordered_map<uint64_t, LiveRequest> live;  // by ticket
   std::unordered_map<std::string, int> live_per_peer;  // peer -> its entries in `live` (> 0)
   std::unordered_set<std::string> gone_peers;          // peers whose requests OnPeerGone aborted
+  Clock::time_point next_peer_probe{};                 // ProbePeers: the next round (heartbeat_ms apart)
   uint64_t next_ticket = 1;
   std::shared_ptr<policy::WeightUpdateStaging> staging;  // the engine reads it while kApplying
   std::optional<OpenUpdate> update;

@@ -58,9 +58,11 @@ struct WorkerConfig {
   int send_high_water_mark = 100000;
   /// ZeroMQ heartbeats (ZMQ_HEARTBEAT_IVL, milliseconds; 0 = off): the worker PINGs each
   /// connection this often and closes one that answers nothing for 3 x heartbeat_ms, so that a
-  /// client host that died without closing its TCP connection is noticed (its unfinished requests
-  /// are then aborted at the next reply, like those of a closed connection). Clients need nothing:
-  /// libzmq answers PINGs by itself.
+  /// client host that died without closing its TCP connection is noticed. Clients need nothing:
+  /// libzmq answers PINGs by itself. As often, each client with unfinished requests gets a
+  /// liveness probe (a `health` reply with an empty id, which clients drop): the requests of a
+  /// client whose connection is gone are aborted within about heartbeat_ms, even those waiting on
+  /// a min_policy_version that has not arrived.
   int heartbeat_ms = 10000;
   CurveServerConfig curve;
 

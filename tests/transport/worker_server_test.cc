@@ -51,11 +51,20 @@ constexpr int64_t kReplyWaitMs = 20000;  // generous: a failing wait reports ins
 constexpr int64_t kNoReplyWaitMs = 1000;  // how long "no reply at all" is watched for
 using Clock = std::chrono::steady_clock;
 
-/// The next reply; throws (failing the test with the message) when none comes in time.
-WorkerMessage Next(Client& c, int64_t timeout_ms = kReplyWaitMs) {
-  std::optional<WorkerMessage> m = c.Receive(timeout_ms);
-  if (!m) throw std::runtime_error(fmt::format("no reply within {} ms", timeout_ms));
-  return std::move(*m);
+/// A liveness probe: the health reply with an empty id the worker sends every heartbeat_ms to
+/// clients with unfinished requests (clients drop it).
+bool IsProbe(const WorkerMessage& m) { return std::holds_alternative<HealthMsg>(m) && MessageId(m).empty(); }
+
+/// The next reply, skipping liveness probes unless `keep_probes`; throws (failing the test with
+/// the message) when none comes in time.
+WorkerMessage Next(Client& c, int64_t timeout_ms = kReplyWaitMs, bool keep_probes = false) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
+  while (true) {
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+    std::optional<WorkerMessage> m = c.Receive(std::max<int64_t>(0, left.count()));
+    if (!m) throw std::runtime_error(fmt::format("no reply within {} ms", timeout_ms));
+    if (keep_probes || !IsProbe(*m)) return std::move(*m);
+  }
 }
 
 template <class T>
@@ -399,6 +408,54 @@ TEST(WorkerServerTest, AGoneClientsUnfinishedRequestsAreAborted) {
   ExpectSameSamples(staying->Generate(after_requests), InProcess(after_requests), 0);
 }
 
+TEST(WorkerServerTest, AGoneClientsRequestsWaitingOnAFutureVersionAreAbortedByTheLivenessProbe) {
+  // A client submits a request that waits for policy version 1 (the worker runs version 0) and
+  // leaves. No reply to it would ever be due before version 1 arrives; the liveness probe
+  // (every heartbeat_ms = 100) finds its connection gone and the request is aborted, freeing the
+  // worker's only pending slot. A staying client's waiting request is probed too and kept.
+  WorkerConfig config;
+  config.heartbeat_ms = 100;
+  rollout::EngineConfig engine = SmallEngineConfig();
+  engine.max_pending_requests = 2;
+  WorkerHarness worker(config, engine);
+  auto watcher = Connect(worker.endpoint());
+  const rollout::EngineStats before = watcher->Stats();
+  Request staying_request = MakeRequest("staying", {1, 5, 6}, 4);
+  staying_request.min_policy_version = 1;
+  auto staying = Connect(worker.endpoint());
+  staying->Send(GenerateMsg{"g-staying", staying_request});
+  EXPECT_EQ(NextAs<AcceptedMsg>(*staying).request_id, "staying");
+  {
+    ClientOptions options;
+    options.linger_ms = 0;
+    auto leaving = Connect(worker.endpoint(), options);
+    Request r = MakeRequest("leaving", {1, 7, 8}, 4);
+    r.min_policy_version = 1;
+    leaving->Send(GenerateMsg{"g-leaving", r});
+    EXPECT_EQ(NextAs<AcceptedMsg>(*leaving).request_id, "leaving");
+  }  // gone
+  const rollout::EngineStats after = StatsWhen(*watcher, [&](const rollout::EngineStats& e) {
+    return e.num_finished_samples >= before.num_finished_samples + 1;
+  });
+  EXPECT_EQ(after.num_finished_samples, before.num_finished_samples + 1);
+  EXPECT_EQ(after.num_generated_tokens, before.num_generated_tokens);  // aborted before it started
+  // A pending slot is free again: one more request is accepted (a third would be overloaded).
+  EXPECT_EQ(watcher->Generate({MakeRequest("next", {1, 2, 3}, 3)}).size(), 1u);
+  // The staying client saw probes over several rounds and still has its request.
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  int num_probes = 0;
+  while (std::optional<WorkerMessage> m = staying->Receive(0)) {
+    ASSERT_TRUE(IsProbe(*m)) << TypeName(*m);
+    ++num_probes;
+  }
+  EXPECT_GE(num_probes, 2);
+  staying->Send(AbortMsg{"a-staying", "staying"});
+  EXPECT_EQ(NextAs<AbortAckMsg>(*staying).request_id, "staying");
+  const SampleMsg aborted = NextAs<SampleMsg>(*staying);
+  EXPECT_EQ(aborted.result.request_id, "staying");
+  EXPECT_EQ(aborted.result.finish_reason, rollout::FinishReason::kAborted);
+}
+
 /// A TCP relay between one client and a worker on tcp://127.0.0.1:PORT that can freeze: it then
 /// relays nothing either way but keeps both connections open, as a client host that died without
 /// closing them would. It discards what the worker sends meanwhile (heartbeat PINGs go
@@ -660,7 +717,7 @@ TEST(WorkerServerTest, ACrashedTrainersOpenUpdateIsDiscardedWhenAnotherTrainerBe
   EXPECT_EQ(NextAs<ErrorMsg>(*second).code, ErrorCode::kBusy);
   // The probe the live trainer got is a health reply with an empty id; its next reply is its own.
   trainer->Send(UpdateAbortMsg{"a3", "third"});
-  for (WorkerMessage m = Next(*trainer);; m = Next(*trainer)) {
+  for (WorkerMessage m = Next(*trainer, kReplyWaitMs, true);; m = Next(*trainer, kReplyWaitMs, true)) {
     if (MessageId(m).empty()) {
       EXPECT_TRUE(std::holds_alternative<HealthMsg>(m)) << TypeName(m);
       continue;
