@@ -106,12 +106,26 @@ class EncodingMatchesDocTest(unittest.TestCase):
              "sampling.max_tokens = 18446744073709551616 must be in [-2**63, 2**64)"),
             ({"temperature": 10 ** 400}, ValueError, "sampling.temperature = 1" + "0" * 400 +
              " is too large for a float"),
+            ({"include_stop_token": "false"}, TypeError,
+             "sampling.include_stop_token = 'false' must be a bool"),
+            ({"include_stop_token": 2}, TypeError, "sampling.include_stop_token = 2 must be a bool"),
+            ({"include_stop_token": None}, TypeError,
+             "sampling.include_stop_token = None must be a bool"),
         ]
         for kwargs, error, message in cases:
             with self.subTest(repr(kwargs)[:60]):
                 with self.assertRaises(error) as cm:
                     SamplingParams(**kwargs).to_wire()
                 self.assertEqual(str(cm.exception), message)
+
+    def test_include_stop_token_takes_bools_and_0_or_1(self):
+        import numpy as np
+
+        for value, expected in ((True, True), (False, False), (1, True), (0, False),
+                                (np.bool_(False), False), (np.int64(1), True)):
+            with self.subTest(repr(value)):
+                wire = SamplingParams(include_stop_token=value).to_wire()
+                self.assertIs(wire["include_stop_token"], expected)
 
     def test_sampling_takes_numpy_scalars_and_the_whole_uint64_seed_range(self):
         import numpy as np

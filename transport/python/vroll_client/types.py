@@ -1,6 +1,7 @@
 """The client's value types: sampling parameters, outputs, update acknowledgements, errors."""
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -40,6 +41,8 @@ class SamplingParams:
             id not an int (Python or numpy numbers are fine; bool is neither).
           ValueError: an int msgpack cannot carry (seed outside [0, 2**64), top_k or max_tokens
             outside [-2**63, 2**64)). Values inside are the worker's to check.
+          TypeError: include_stop_token not a bool (0 and 1 are accepted; a string such as
+            "false" is not: it would have been true).
         """
         wire: Dict[str, Any] = {
             "temperature": protocol.wire_float(self.temperature, "sampling.temperature"),
@@ -47,11 +50,20 @@ class SamplingParams:
             "top_k": protocol.wire_int(self.top_k, "sampling.top_k"),
             "max_new_tokens": protocol.wire_int(self.max_tokens, "sampling.max_tokens"),
             "stop_token_ids": protocol._token_ids(self.stop_token_ids, "sampling.stop_token_ids"),
-            "include_stop_token": bool(self.include_stop_token),
+            "include_stop_token": _wire_bool(self.include_stop_token, "sampling.include_stop_token"),
         }
         if self.seed is not None:
             wire["seed"] = protocol.wire_int(self.seed, "sampling.seed", 0)
         return wire
+
+
+def _wire_bool(value: Any, what: str) -> bool:
+    """value as a bool: a bool (numpy's too) or an int 0 or 1; TypeError naming `what` else."""
+    if isinstance(value, bool) or type(value).__name__ == "bool_":  # numpy.bool_, without numpy
+        return bool(value)
+    if isinstance(value, numbers.Integral) and value in (0, 1):
+        return bool(value)
+    raise TypeError(f"{what} = {value!r} must be a bool")
 
 
 @dataclass
