@@ -7,6 +7,7 @@
 #include <cerrno>
 #include <chrono>
 #include <cstring>
+#include <limits>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -760,6 +761,12 @@ struct WorkerServer::Impl {
     if (m.manifest.version <= current) {
       SendError(peer, m.id, ErrorCode::kBadField, "version",
                 fmt::format("version = {} must be greater than the version in use, {}", m.manifest.version, current));
+      return false;
+    }
+    if (m.manifest.version == std::numeric_limits<PolicyVersion>::max()) {
+      SendError(peer, m.id, ErrorCode::kBadField, "version",
+                fmt::format("version = {} (2^64 - 1) is reserved: no later update could ever follow it",
+                            m.manifest.version));
       return false;
     }
     if (m.manifest.tensors.empty()) {

@@ -16,6 +16,7 @@
 #include <cstring>
 #include <fstream>
 #include <functional>
+#include <limits>
 #include <map>
 #include <random>
 #include <set>
@@ -280,6 +281,9 @@ std::vector<SocketCase> SocketCases(int64_t max_message_bytes) {
   one("abort of an unknown update", Header("update_abort").Set("update_id", Value::Str("nope")),
       ErrorCode::kUnknownUpdate, "update_id");
   one("update to the version in use", BeginHeader("u", 0, {TensorEntry("model.norm.weight", {64}, 256)}),
+      ErrorCode::kBadField, "version");
+  one("update to the reserved last version", BeginHeader("u", std::numeric_limits<uint64_t>::max(),
+                                                         {TensorEntry("model.norm.weight", {64}, 256)}),
       ErrorCode::kBadField, "version");
   one("unknown tensor name", BeginHeader("u", 1, {TensorEntry("model.norm.weight", {64}, 256),
                                                   TensorEntry("model.layers.9.mlp.up_proj.weight", {172, 64}, 44032)}),

@@ -183,9 +183,11 @@ class GenerateTest(FakeWorkerTestCase):
             (lambda: self.client.generate([[1]], n=2 ** 64), ValueError,
              "n = 18446744073709551616 must be < 2**64"),
             (lambda: self.client.push_weights(make_weights(1), version=2 ** 64), ValueError,
-             "version = 18446744073709551616 must be an int in [1, 2**64 - 1)"),
+             "version = 18446744073709551616 must be in [1, 2**64 - 1)"),
             (lambda: self.client.push_weights(make_weights(1), version=2 ** 64 - 1), ValueError,
-             "version = 18446744073709551615 must be an int in [1, 2**64 - 1)"),
+             "version = 18446744073709551615 must be in [1, 2**64 - 1)"),
+            (lambda: self.client.push_weights(make_weights(1), version=2.0), TypeError,
+             "version = 2.0 must be an int"),
         ]
         for call, error, message in cases:
             with self.subTest(message):
@@ -206,7 +208,9 @@ class PushWeightsTest(FakeWorkerTestCase):
         weights = make_weights(1)
         weights["model.embed_tokens.weight"] = weights["model.embed_tokens.weight"].bfloat16()
         weights["model.norm.weight"] = weights["model.norm.weight"].half().numpy()
-        acks = self.client.push_weights(weights, version=3, chunk_bytes=37)
+        # A numpy integer version (a trainer's step counter) is sent as a plain int.
+        acks = self.client.push_weights(weights, version=np.int64(3), chunk_bytes=37)
+        self.assertIs(type(acks[0].version), int)
         expected = weights_checksum(weights)
         self.assertEqual([a.worker for a in acks], [w.endpoint for w in self.workers])
         for ack, worker in zip(acks, self.workers):

@@ -18,6 +18,7 @@ from __future__ import annotations
 import collections
 import itertools
 import logging
+import numbers
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -686,9 +687,11 @@ class VrollClient:
         Cost: one XXH3 pass over the bytes as sent, one float32 conversion pass for the
         weights checksum (unless partial), and one send of every byte to every worker.
         """
-        if (isinstance(version, bool) or not isinstance(version, int)
-                or not 1 <= version < protocol.WIRE_INT_END - 1):
-            raise ValueError(f"version = {version!r} must be an int in [1, 2**64 - 1) (initial "
+        if isinstance(version, bool) or not isinstance(version, numbers.Integral):
+            raise TypeError(f"version = {version!r} must be an int")
+        version = int(version)  # numpy integers too
+        if not 1 <= version < protocol.WIRE_INT_END - 1:
+            raise ValueError(f"version = {version!r} must be in [1, 2**64 - 1) (initial "
                              "weights are 0; 2**64 - 1 is reserved: nothing could follow it)")
         if mode not in protocol.UPDATE_MODES:
             raise ValueError(f"mode = {mode!r}; one of {protocol.UPDATE_MODES}")
