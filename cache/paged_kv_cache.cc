@@ -22,11 +22,18 @@ PagedKvCache::PagedKvCache(const policy::ModelConfig& config, int num_blocks, in
   c10::InferenceMode guard;
   if (num_blocks <= 0) throw std::invalid_argument(fmt::format("PagedKvCache: num_blocks = {} must be > 0", num_blocks));
   if (block_size <= 0) throw std::invalid_argument(fmt::format("PagedKvCache: block_size = {} must be > 0", block_size));
-  for (int l = 0; l < config.n_layers; ++l) {
-    k_.push_back(at::zeros({num_blocks, block_size, config.n_kv_heads, config.head_dim()}, at::kFloat));
-    v_.push_back(at::zeros({num_blocks, block_size, config.n_kv_heads, config.head_dim()}, at::kFloat));
-  }
   const int64_t bytes = BytesPerBlock(config, block_size) * num_blocks;
+  try {
+    for (int l = 0; l < config.n_layers; ++l) {
+      k_.push_back(at::zeros({num_blocks, block_size, config.n_kv_heads, config.head_dim()}, at::kFloat));
+      v_.push_back(at::zeros({num_blocks, block_size, config.n_kv_heads, config.head_dim()}, at::kFloat));
+    }
+  } catch (const c10::Error& e) {  // e.g. the allocator's "can't allocate memory"
+    throw std::runtime_error(fmt::format(
+        "paged KV cache: cannot allocate {} blocks x {} tokens, {:.1f} MiB of fp32 keys and values (the engine's "
+        "kv_cache_bytes; vroll-worker/vroll-generate --kv-cache-mb): {}",
+        num_blocks, block_size, bytes / 1048576.0, e.what_without_backtrace()));
+  }
   Logger("cache").info("paged KV storage: {} blocks x {} tokens, {:.1f} MiB ({} bytes per block)", num_blocks,
                        block_size, bytes / 1048576.0, BytesPerBlock(config, block_size));
 }

@@ -45,7 +45,8 @@ struct PagedStepLayout {
 class PagedKvCache : public policy::AttentionBackend {
  public:
   /// Allocates 2 * n_layers tensors of [num_blocks, block_size, n_kv_heads, head_dim] fp32.
-  /// Throws std::invalid_argument when num_blocks or block_size is not positive.
+  /// Throws std::invalid_argument when num_blocks or block_size is not positive, and
+  /// std::runtime_error naming the blocks and MiB when the storage cannot be allocated.
   PagedKvCache(const policy::ModelConfig& config, int num_blocks, int block_size);
 
   /// Bytes of K and V storage one block takes over all layers: 2 * n_layers * block_size *

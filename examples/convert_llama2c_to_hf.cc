@@ -16,6 +16,7 @@
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 
+#include "examples/cli_checks.h"
 #include "policy/errors.h"
 #include "policy/hf_loader.h"
 #include "policy/llama2c_loader.h"
@@ -33,7 +34,7 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"f32", "f16", "bf16"}));
   app.add_option("--shard-mb", shard_mb, "largest shard in MB (10^6 bytes of tensor data); 0 = one file")
       ->capture_default_str()
-      ->check(CLI::NonNegativeNumber);
+      ->check(vroll::examples::NumberAtLeast(0));
   CLI11_PARSE(app, argc, argv);
 
   const std::map<std::string, policy::DType> dtypes = {

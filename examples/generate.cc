@@ -53,7 +53,7 @@ int main(int argc, char** argv) {
   app.add_option("--tokenizer", tokenizer_path, "llama2.c tokenizer.bin (required with --model)")->check(CLI::ExistingFile);
   app.add_option("--prompt", prompt, "text to continue (default: empty, start from BOS)");
   app.add_option("--max-new-tokens", params.max_new_tokens, "tokens to generate")->capture_default_str()->check(vroll::examples::IntAtLeast(1));
-  app.add_option("--temperature", params.temperature, "0 = greedy")->capture_default_str()->check(CLI::NonNegativeNumber);
+  app.add_option("--temperature", params.temperature, "0 = greedy")->capture_default_str()->check(vroll::examples::NumberAtLeast(0));
   app.add_option("--top-p", params.top_p, "nucleus sampling mass in (0, 1]")->capture_default_str();
   app.add_option("--top-k", params.top_k, "keep the k most likely tokens (0 = off)")->capture_default_str();
   app.add_option("--seed", params.seed, "random seed")->capture_default_str();

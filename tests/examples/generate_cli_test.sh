@@ -22,6 +22,8 @@ if grep -q "frame #" /tmp/vroll_cli_err.$$; then echo "error carries a backtrace
 grep -q -- "--max-new-tokens: must be an integer >= 1 (got '0')" /tmp/vroll_cli_err.$$ || { cat /tmp/vroll_cli_err.$$; exit 1; }
 "$BIN" --threads -1 >"$out" 2>/tmp/vroll_cli_err.$$ && { echo "--threads -1 accepted"; exit 1; }
 grep -q -- "--threads: must be an integer >= 0 (got '-1')" /tmp/vroll_cli_err.$$ || { cat /tmp/vroll_cli_err.$$; exit 1; }
+"$BIN" --temperature -1 >"$out" 2>/tmp/vroll_cli_err.$$ && { echo "--temperature -1 accepted"; exit 1; }
+grep -q -- "--temperature: must be a number >= 0 (got '-1')" /tmp/vroll_cli_err.$$ || { cat /tmp/vroll_cli_err.$$; exit 1; }
 rm -f /tmp/vroll_cli_err.$$
 if [ ! -f "$SHARED/models/stories260K.bin" ]; then echo "skipped: no $SHARED/models"; exit 77; fi
 "$BIN" --model "$SHARED/models/stories260K.bin" --tokenizer "$SHARED/models/tok512.bin" \

@@ -21,6 +21,14 @@ fail() {
   exit 1
 }
 
+# A KV cache that cannot be allocated: one line naming its size and --kv-cache-mb, no backtrace.
+if "$WORKER" --endpoint "ipc://$dir/huge.sock" --kv-cache-mb 100000000 >"$dir/huge.out" 2>"$dir/huge.err"; then
+  fail "--kv-cache-mb 100000000 accepted"
+fi
+grep -q "cannot allocate .* MiB of fp32 keys and values .*--kv-cache-mb" "$dir/huge.err" ||
+  fail "the allocation failure does not name the KV cache and --kv-cache-mb"
+if grep -q "frame #" "$dir/huge.err"; then fail "the allocation failure carries a backtrace"; fi
+
 # run_case NAME [model args...]: one worker, one example run against it.
 run_case() {
   local name="$1"; shift
