@@ -18,6 +18,12 @@
 
 #include "policy/cpu_kernels.h"
 
+// The ISA variants of the entry points (GCC target_clones). A test build of this file defines it
+// as one target to run that variant on any CPU that has it (tests/policy/cpu_gemm_isa_build.cc).
+#ifndef VROLL_KERNEL_CLONES
+#define VROLL_KERNEL_CLONES __attribute__((target_clones("avx512f", "fma", "default")))
+#endif
+
 namespace vroll::policy::kernels {
 
 namespace {
@@ -244,7 +250,7 @@ bool PackWithAvx512() {
 
 namespace detail {
 
-__attribute__((target_clones("avx512f", "fma", "default")))
+VROLL_KERNEL_CLONES
 void PackWeightPortable(const float* w, int64_t n, int64_t k, int64_t tile_begin, int64_t tile_end, float* packed) {
   for (int64_t p = tile_begin * kPanelsPerTile; p < tile_end * kPanelsPerTile; ++p) {
     const float* rows[kPanel];
@@ -256,7 +262,7 @@ void PackWeightPortable(const float* w, int64_t n, int64_t k, int64_t tile_begin
   }
 }
 
-__attribute__((target_clones("avx512f", "fma", "default")))
+VROLL_KERNEL_CLONES
 void PackTileRowsPortable(const float* const* rows, int64_t n, int64_t k, int64_t tile, float* packed) {
   const int64_t num_rows = std::min(kTileCols, n - tile * kTileCols);
   for (int64_t q = 0; q < kPanelsPerTile; ++q) {
@@ -298,7 +304,7 @@ void PackTileRows(const float* const* rows, int64_t n, int64_t k, int64_t tile, 
 
 void PackedStoreFence() { _mm_sfence(); }
 
-__attribute__((target_clones("avx512f", "fma", "default")))
+VROLL_KERNEL_CLONES
 void LinearTiles(const float* x, int64_t m, int64_t k, const float* packed, int64_t n, const float* bias, float* y,
                  int64_t ldy, bool accumulate, int64_t tile_begin, int64_t tile_end, bool stream_output) {
   const bool stream = stream_output && !accumulate && reinterpret_cast<uintptr_t>(y) % 64 == 0 && ldy % 16 == 0;

@@ -12,6 +12,13 @@
 
 #include <gtest/gtest.h>
 
+namespace vroll::testing {  // tests/policy/cpu_gemm_isa_build.cc
+void LinearTilesAvx2Fma(const float* x, int64_t m, int64_t k, const float* packed, int64_t n, const float* bias,
+                        float* y, int64_t ldy, bool accumulate, int64_t tile_begin, int64_t tile_end,
+                        bool stream_output);
+void PackWeightAvx2Fma(const float* w, int64_t n, int64_t k, int64_t tile_begin, int64_t tile_end, float* packed);
+}  // namespace vroll::testing
+
 namespace vroll::policy::kernels {
 namespace {
 
@@ -169,6 +176,37 @@ TEST(CpuPackTest, BothPathsWriteTheDefinedLayout) {
         PackedStoreFence();
         ASSERT_EQ(std::memcmp(out, expected.data(), sizeof(float) * size), 0) << where << ", path " << path;
         EXPECT_EQ(out[size], -1.0f) << where << ", path " << path << ": wrote past the packed size";
+      }
+    }
+  }
+}
+
+// The GEMM's AVX2+FMA variant (what CPUs without AVX-512 run) computes the same bits as the
+// variant this CPU picks (AVX-512 on our machines): each output is the same in-order chain of
+// fused multiply-adds, whatever the vector width. So samples and logprobs do not depend on which
+// of the two machines computed them. (On a CPU that itself picks AVX2+FMA this compares the
+// variant with itself.)
+TEST(CpuGemmTest, TheAvx2FmaVariantComputesTheSameBitsAsTheOneThisCpuRuns) {
+  if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma")) GTEST_SKIP() << "this CPU has no AVX2+FMA";
+  for (int64_t m : {1, 5, 14, 29, 64}) {
+    for (int64_t n : {16, 32, 70, 160}) {
+      for (int64_t k : {1, 16, 45, 288}) {
+        SCOPED_TRACE(std::to_string(m) + " x " + std::to_string(n) + " x " + std::to_string(k));
+        const auto x = Random(m * k, 21), w = Random(n * k, 22), bias = Random(n, 23), y0 = Random(m * n, 24);
+        const auto packed = Packed(w, n, k);
+        std::vector<float> packed_avx2(PackedSize(n, k), -1.0f);
+        vroll::testing::PackWeightAvx2Fma(w.data(), n, k, 0, NumColumnTiles(n), packed_avx2.data());
+        ASSERT_EQ(std::memcmp(packed.data(), packed_avx2.data(), sizeof(float) * packed.size()), 0);
+        for (bool accumulate : {false, true}) {
+          for (const float* b : {static_cast<const float*>(nullptr), bias.data()}) {
+            std::vector<float> here = y0, avx2 = y0;
+            LinearTiles(x.data(), m, k, packed.data(), n, b, here.data(), n, accumulate, 0, NumColumnTiles(n));
+            vroll::testing::LinearTilesAvx2Fma(x.data(), m, k, packed.data(), n, b, avx2.data(), n, accumulate, 0,
+                                               NumColumnTiles(n), /*stream_output=*/false);
+            ASSERT_EQ(std::memcmp(here.data(), avx2.data(), sizeof(float) * here.size()), 0)
+                << "accumulate=" << accumulate << " bias=" << (b != nullptr);
+          }
+        }
       }
     }
   }
