@@ -8,6 +8,12 @@
 #include <cmath>
 #include <cstring>
 
+// The ISA variants of the entry points (GCC target_clones). A test build of this file defines it
+// as one target, to run that variant on any CPU that has it (tests/support/kernel_isa_build.cc).
+#ifndef VROLL_KERNEL_CLONES
+#define VROLL_KERNEL_CLONES __attribute__((target_clones("avx512f", "fma", "default")))
+#endif
+
 namespace vroll::cache::kernels {
 
 namespace {
@@ -185,7 +191,7 @@ __attribute__((always_inline)) inline void AttendRowImpl(const float* q, int gro
 /// head-size specialization on the model only.
 }  // namespace
 
-__attribute__((target_clones("avx512f", "fma", "default")))
+VROLL_KERNEL_CLONES
 void AttendRow(const float* q, int group, int head_dim, int num_keys, int block_size, const int32_t* table,
                const float* k_base, const float* v_base, int64_t block_stride, int64_t token_stride, float scale,
                float* scores, float* out) {
@@ -377,7 +383,7 @@ int64_t AttendTokensScratch(int num_rows, int n_heads, int max_keys) {
   return int64_t{num_rows} * n_heads * max_keys + 16;
 }
 
-__attribute__((target_clones("avx512f", "fma", "default")))
+VROLL_KERNEL_CLONES
 void AttendTokens(const TokenRow* rows, int num_rows, int shared_keys, int n_kv, int group, int head_dim,
                   int block_size, const float* k_base, const float* v_base, int64_t block_stride,
                   int64_t token_stride, float scale, float* scores) {

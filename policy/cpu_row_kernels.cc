@@ -6,9 +6,15 @@
 
 #include "policy/cpu_kernels.h"
 
+// The ISA variants of the entry points (GCC target_clones). A test build of this file defines it
+// as one target, to run that variant on any CPU that has it (tests/support/kernel_isa_build.cc).
+#ifndef VROLL_KERNEL_CLONES
+#define VROLL_KERNEL_CLONES __attribute__((target_clones("avx512f", "fma", "default")))
+#endif
+
 namespace vroll::policy::kernels {
 
-__attribute__((target_clones("avx512f", "fma", "default")))
+VROLL_KERNEL_CLONES
 void RmsNormRow(const float* x, const float* weight, int64_t n, float eps, float* out) {
   float ss = 0;
 #pragma omp simd reduction(+ : ss)
@@ -18,7 +24,7 @@ void RmsNormRow(const float* x, const float* weight, int64_t n, float eps, float
   for (int64_t j = 0; j < n; ++j) out[j] = weight[j] * (x[j] * inv);
 }
 
-__attribute__((target_clones("avx512f", "fma", "default")))
+VROLL_KERNEL_CLONES
 void SiluMulRow(const float* gate, const float* up, int64_t n, float* out) {
 #pragma omp simd
   for (int64_t j = 0; j < n; ++j) {
@@ -27,7 +33,7 @@ void SiluMulRow(const float* gate, const float* up, int64_t n, float* out) {
   }
 }
 
-__attribute__((target_clones("avx512f", "fma", "default")))
+VROLL_KERNEL_CLONES
 void RopeRow(float* x, int64_t n_heads, int64_t head_dim, const float* cos, const float* sin, bool interleaved) {
   const int64_t half = head_dim / 2;
   for (int64_t h = 0; h < n_heads; ++h) {

@@ -4,9 +4,15 @@
 #include <cmath>
 #include <cstring>
 
+// The ISA variants of the entry points (GCC target_clones). A test build of this file defines it
+// as one target, to run that variant on any CPU that has it (tests/support/kernel_isa_build.cc).
+#ifndef VROLL_KERNEL_CLONES
+#define VROLL_KERNEL_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#endif
+
 namespace vroll::rollout::kernels {
 
-__attribute__((target_clones("avx512f", "avx2", "default")))
+VROLL_KERNEL_CLONES
 float ExpBlock(const float* logits, int n, float inv_t, float max, float* out) {
   // Always through an aligned stack buffer: the vectorized loop is then the same whatever `out`
   // (no alignment peeling that differs with it), and so are the bits.
@@ -22,7 +28,7 @@ float ExpBlock(const float* logits, int n, float inv_t, float max, float* out) {
   return sum;
 }
 
-__attribute__((target_clones("avx512f", "avx2", "default")))
+VROLL_KERNEL_CLONES
 RowStats SoftmaxRow(const float* logits, int vocab_size, float inv_t, float* probs, double* block_sums) {
   RowStats stats;
   float max_v = -INFINITY;

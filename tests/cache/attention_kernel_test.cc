@@ -1,7 +1,9 @@
 // The paged attention kernel on raw buffers: rows that share their first blocks, attended together
 // (AttendTokens), against each row attended alone (bit for bit: grouping must not change a row's
-// result, or batch invariance breaks) and against a float64 recompute of softmax(q.k) v.
+// result, or batch invariance breaks) and against a float64 recompute of softmax(q.k) v; and the
+// kernel's other ISA variants (what CPUs without AVX-512 run) against the same recompute.
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <numeric>
@@ -12,9 +14,89 @@
 #include <gtest/gtest.h>
 
 #include "cache/attention_kernel.h"
+#include "tests/support/kernel_isa_builds.h"
 
 namespace vroll::cache::kernels {
 namespace {
+
+/// Random rows over a shuffled block pool; the first `shared_blocks` blocks are every row's.
+struct AttendCase {
+  int head_dim, block_size, group, shared_blocks;
+  int n_kv = 3, num_rows = 7, max_len = 150;
+  int n_heads() const { return n_kv * group; }
+  int64_t token_stride() const { return int64_t{n_kv} * head_dim; }
+  int64_t block_stride() const { return token_stride() * block_size; }
+  float scale() const { return 1.0f / std::sqrt(static_cast<float>(head_dim)); }
+  std::vector<float> k, v, q;
+  std::vector<std::vector<int32_t>> tables;
+  std::vector<int> lens;
+
+  AttendCase(int head_dim_, int block_size_, int group_, int shared_blocks_, std::mt19937& rng)
+      : head_dim(head_dim_), block_size(block_size_), group(group_), shared_blocks(shared_blocks_) {
+    std::normal_distribution<float> normal;
+    const int blocks_per_row = (max_len + block_size - 1) / block_size;
+    const int num_blocks = num_rows * blocks_per_row + shared_blocks;
+    std::vector<int32_t> pool(num_blocks);
+    std::iota(pool.begin(), pool.end(), 0);
+    std::shuffle(pool.begin(), pool.end(), rng);
+    k.resize(num_blocks * block_stride());
+    v.resize(k.size());
+    for (float& x : k) x = normal(rng);
+    for (float& x : v) x = normal(rng);
+    q.resize(num_rows * n_heads() * head_dim);
+    for (float& x : q) x = normal(rng);
+    tables.resize(num_rows);
+    int next = shared_blocks;
+    const int min_len = std::max(1, shared_blocks * block_size);
+    for (int r = 0; r < num_rows; ++r) {
+      tables[r].assign(pool.begin(), pool.begin() + shared_blocks);
+      const int len = std::uniform_int_distribution<int>(min_len, max_len)(rng);
+      while (static_cast<int>(tables[r].size()) * block_size < len) tables[r].push_back(pool[next++]);
+      lens.push_back(len);
+    }
+  }
+
+  /// Rows writing into `out` [num_rows, n_heads, head_dim].
+  std::vector<TokenRow> Rows(std::vector<float>& out) const {
+    out.assign(q.size(), 0.0f);
+    std::vector<TokenRow> rows(num_rows);
+    for (int r = 0; r < num_rows; ++r) {
+      rows[r] = {q.data() + r * n_heads() * head_dim, out.data() + r * n_heads() * head_dim, tables[r].data(),
+                 lens[r]};
+    }
+    return rows;
+  }
+
+  /// Largest |out - softmax(q.k * scale) v| against a float64 recompute.
+  double MaxErrorVsFloat64(const std::vector<float>& out) const {
+    double max_err = 0;
+    for (int r = 0; r < num_rows; ++r) {
+      const int len = lens[r];
+      for (int h = 0; h < n_heads(); ++h) {
+        const float* qh = q.data() + (r * n_heads() + h) * head_dim;
+        auto at = [&](const std::vector<float>& store, int j) {
+          return store.data() + tables[r][j / block_size] * block_stride() + (j % block_size) * token_stride() +
+                 (h / group) * head_dim;
+        };
+        std::vector<double> s(len);
+        double m = -1e300, sum = 0;
+        for (int j = 0; j < len; ++j) {
+          double dot = 0;
+          for (int d = 0; d < head_dim; ++d) dot += double{qh[d]} * at(k, j)[d];
+          s[j] = dot * scale();
+          m = std::max(m, s[j]);
+        }
+        for (double& x : s) sum += (x = std::exp(x - m));
+        for (int d = 0; d < head_dim; ++d) {
+          double o = 0;
+          for (int j = 0; j < len; ++j) o += s[j] / sum * at(v, j)[d];
+          max_err = std::max(max_err, std::abs(o - out[(r * n_heads() + h) * head_dim + d]));
+        }
+      }
+    }
+    return max_err;
+  }
+};
 
 // (head_dim, block_size, GQA group): 48 and 64 take the vectorized path, 8 the generic one;
 // block size 4 disables grouping (not a multiple of 16), 16 and 32 enable it.
@@ -22,73 +104,63 @@ class AttendTokensTest : public ::testing::TestWithParam<std::tuple<int, int, in
 
 TEST_P(AttendTokensTest, GroupedRowsEqualRowsAloneAndFloat64) {
   const auto [head_dim, block_size, group] = GetParam();
-  const int n_kv = 3, n_heads = n_kv * group, num_rows = 7, max_len = 150;
-  const int64_t token_stride = int64_t{n_kv} * head_dim, block_stride = token_stride * block_size;
   std::mt19937 rng(head_dim * 100 + block_size * 10 + group);
-  std::normal_distribution<float> normal;
-
   for (int shared_blocks : {0, 1, 3, 5}) {
-    if (shared_blocks * block_size >= max_len) continue;
-    // Block pool: the shared prefix blocks, then every row's own blocks, in shuffled order.
-    const int blocks_per_row = (max_len + block_size - 1) / block_size;
-    const int num_blocks = num_rows * blocks_per_row + shared_blocks;
-    std::vector<int32_t> pool(num_blocks);
-    std::iota(pool.begin(), pool.end(), 0);
-    std::shuffle(pool.begin(), pool.end(), rng);
-    std::vector<float> k(num_blocks * block_stride), v(num_blocks * block_stride);
-    for (float& x : k) x = normal(rng);
-    for (float& x : v) x = normal(rng);
-    std::vector<std::vector<int32_t>> tables(num_rows);
-    std::vector<float> q(num_rows * n_heads * head_dim);
-    for (float& x : q) x = normal(rng);
-    std::vector<TokenRow> rows(num_rows);
-    std::vector<float> grouped(q.size()), alone(q.size());
-    int next = shared_blocks;
-    const int min_len = std::max(1, shared_blocks * block_size);
-    for (int r = 0; r < num_rows; ++r) {
-      tables[r].assign(pool.begin(), pool.begin() + shared_blocks);
-      const int len = std::uniform_int_distribution<int>(min_len, max_len)(rng);
-      while (static_cast<int>(tables[r].size()) * block_size < len) tables[r].push_back(pool[next++]);
-      rows[r] = {q.data() + r * n_heads * head_dim, grouped.data() + r * n_heads * head_dim, tables[r].data(), len};
-    }
-    const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
-    std::vector<float> scores(AttendTokensScratch(num_rows, n_heads, max_len));
-    AttendTokens(rows.data(), num_rows, shared_blocks * block_size, n_kv, group, head_dim, block_size, k.data(),
-                 v.data(), block_stride, token_stride, scale, scores.data());
-    for (int r = 0; r < num_rows; ++r) {
-      AttendToken(rows[r].q, n_kv, group, head_dim, rows[r].num_keys, block_size, rows[r].table, k.data(), v.data(),
-                  block_stride, token_stride, scale, scores.data(), alone.data() + r * n_heads * head_dim);
+    if (shared_blocks * block_size >= 150) continue;
+    const AttendCase c(head_dim, block_size, group, shared_blocks, rng);
+    std::vector<float> grouped, alone(c.q.size());
+    std::vector<TokenRow> rows = c.Rows(grouped);
+    std::vector<float> scores(AttendTokensScratch(c.num_rows, c.n_heads(), c.max_len));
+    AttendTokens(rows.data(), c.num_rows, shared_blocks * block_size, c.n_kv, group, head_dim, block_size, c.k.data(),
+                 c.v.data(), c.block_stride(), c.token_stride(), c.scale(), scores.data());
+    for (int r = 0; r < c.num_rows; ++r) {
+      AttendToken(rows[r].q, c.n_kv, group, head_dim, rows[r].num_keys, block_size, rows[r].table, c.k.data(),
+                  c.v.data(), c.block_stride(), c.token_stride(), c.scale(), scores.data(),
+                  alone.data() + r * c.n_heads() * head_dim);
     }
     ASSERT_EQ(0, std::memcmp(grouped.data(), alone.data(), sizeof(float) * grouped.size()))
         << "a row attended in a group differs from the row attended alone; shared blocks " << shared_blocks;
+    EXPECT_LE(c.MaxErrorVsFloat64(grouped), 2e-5) << "shared blocks " << shared_blocks;
+  }
+}
 
-    // float64 oracle.
-    double max_err = 0;
-    for (int r = 0; r < num_rows; ++r) {
-      const int len = rows[r].num_keys;
-      for (int h = 0; h < n_heads; ++h) {
-        const float* qh = rows[r].q + h * head_dim;
-        auto key = [&](const std::vector<float>& store, int j) {
-          return store.data() + tables[r][j / block_size] * block_stride + (j % block_size) * token_stride +
-                 (h / group) * head_dim;
-        };
-        std::vector<double> s(len);
-        double m = -1e300, sum = 0;
-        for (int j = 0; j < len; ++j) {
-          double dot = 0;
-          for (int d = 0; d < head_dim; ++d) dot += double{qh[d]} * key(k, j)[d];
-          s[j] = dot * scale;
-          m = std::max(m, s[j]);
-        }
-        for (double& x : s) sum += (x = std::exp(x - m));
-        for (int d = 0; d < head_dim; ++d) {
-          double o = 0;
-          for (int j = 0; j < len; ++j) o += s[j] / sum * key(v, j)[d];
-          max_err = std::max(max_err, std::abs(o - grouped[(r * n_heads + h) * head_dim + d]));
-        }
-      }
+// The variants a CPU without AVX-512 picks (AVX+FMA, baseline SSE2), run here from their own
+// build: each must meet the same float64 bound as the variant this CPU runs, grouped and alone
+// alike (grouping rows never changes a row's bits in any variant). They may differ from this
+// CPU's variant in the last bits (FMA contraction, libmvec's expf per vector width): the largest
+// difference is printed.
+TEST_P(AttendTokensTest, OtherIsaVariantsMeetTheFloat64BoundGroupedAndAlone) {
+  const auto [head_dim, block_size, group] = GetParam();
+  std::mt19937 rng(head_dim * 100 + block_size * 10 + group + 7);
+  for (const testing::KernelVariant& variant : testing::KernelVariants()) {
+    if (!variant.supported) {
+      std::printf("[ skipped  ] %s: this CPU lacks its ISA\n", variant.name.c_str());
+      continue;
     }
-    EXPECT_LE(max_err, 2e-5) << "shared blocks " << shared_blocks;
+    double max_diff = 0;
+    for (int shared_blocks : {0, 3}) {
+      if (shared_blocks * block_size >= 150) continue;
+      const AttendCase c(head_dim, block_size, group, shared_blocks, rng);
+      std::vector<float> here, there, there_alone;
+      std::vector<TokenRow> rows_here = c.Rows(here), rows_there = c.Rows(there), rows_alone = c.Rows(there_alone);
+      std::vector<float> scores(AttendTokensScratch(c.num_rows, c.n_heads(), c.max_len));
+      AttendTokens(rows_here.data(), c.num_rows, shared_blocks * block_size, c.n_kv, group, head_dim, block_size,
+                   c.k.data(), c.v.data(), c.block_stride(), c.token_stride(), c.scale(), scores.data());
+      variant.attend_tokens(rows_there.data(), c.num_rows, shared_blocks * block_size, c.n_kv, group, head_dim,
+                            block_size, c.k.data(), c.v.data(), c.block_stride(), c.token_stride(), c.scale(),
+                            scores.data());
+      for (int r = 0; r < c.num_rows; ++r) {
+        variant.attend_tokens(&rows_alone[r], 1, 0, c.n_kv, group, head_dim, block_size, c.k.data(), c.v.data(),
+                              c.block_stride(), c.token_stride(), c.scale(), scores.data());
+      }
+      ASSERT_EQ(0, std::memcmp(there.data(), there_alone.data(), sizeof(float) * there.size()))
+          << variant.name << ": a row attended in a group differs from the row alone; shared blocks "
+          << shared_blocks;
+      EXPECT_LE(c.MaxErrorVsFloat64(there), 2e-5) << variant.name << ", shared blocks " << shared_blocks;
+      for (size_t i = 0; i < here.size(); ++i) max_diff = std::max(max_diff, double{std::abs(here[i] - there[i])});
+    }
+    std::printf("%s vs this CPU's variant: max |diff| %.3g%s\n", variant.name.c_str(), max_diff,
+                max_diff == 0 ? " (same bits)" : "");
   }
 }
 

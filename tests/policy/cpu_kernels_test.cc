@@ -1,5 +1,6 @@
 // CPU forward kernels against double-precision recomputes, and their batch invariance (a row's
-// bits do not depend on how many rows share the call or where the row sits).
+// bits do not depend on how many rows share the call or where the row sits). The row kernels'
+// other ISA variants (what CPUs without AVX-512 run) meet the same bounds.
 
 #include "policy/cpu_kernels.h"
 
@@ -11,6 +12,8 @@
 #include <vector>
 
 #include <gtest/gtest.h>
+
+#include "tests/support/kernel_isa_builds.h"
 
 namespace vroll::testing {  // tests/policy/cpu_gemm_isa_build.cc
 void LinearTilesAvx2Fma(const float* x, int64_t m, int64_t k, const float* packed, int64_t n, const float* bias,
@@ -212,48 +215,83 @@ TEST(CpuGemmTest, TheAvx2FmaVariantComputesTheSameBitsAsTheOneThisCpuRuns) {
   }
 }
 
-TEST(CpuRowKernelsTest, RmsNormMatchesDoublePrecision) {
-  for (int64_t n : {1, 17, 64, 288}) {
-    const auto x = Random(n, 10), w = Random(n, 11);
-    std::vector<float> out(n);
-    RmsNormRow(x.data(), w.data(), n, 1e-5f, out.data());
-    double ss = 0;
-    for (float v : x) ss += double{v} * v;
-    const double inv = 1.0 / std::sqrt(ss / n + 1e-5);
-    for (int64_t j = 0; j < n; ++j) EXPECT_NEAR(out[j], w[j] * x[j] * inv, 1e-5 * (1 + std::abs(w[j] * x[j] * inv)));
+/// The row kernels this CPU runs, then their other ISA variants (tests/support/kernel_isa_builds.h):
+/// what a CPU without AVX-512 runs. Every variant must meet the same double-precision bounds.
+struct RowKernels {
+  std::string name;
+  bool supported;
+  void (*rms_norm)(const float*, const float*, int64_t, float, float*);
+  void (*silu_mul)(const float*, const float*, int64_t, float*);
+  void (*rope)(float*, int64_t, int64_t, const float*, const float*, bool);
+};
+
+std::vector<RowKernels> AllRowKernelVariants() {
+  std::vector<RowKernels> all = {{"this CPU's variant", true, RmsNormRow, SiluMulRow, RopeRow}};
+  for (const testing::KernelVariant& v : testing::KernelVariants()) {
+    all.push_back({v.name, v.supported, v.rms_norm_row, v.silu_mul_row, v.rope_row});
+  }
+  return all;
+}
+
+TEST(CpuRowKernelsTest, RmsNormMatchesDoublePrecisionInEveryIsaVariant) {
+  for (const RowKernels& variant : AllRowKernelVariants()) {
+    if (!variant.supported) continue;
+    SCOPED_TRACE(variant.name);
+    for (int64_t n : {1, 17, 64, 288, 1000}) {
+      const auto x = Random(n, 10), w = Random(n, 11);
+      std::vector<float> out(n);
+      variant.rms_norm(x.data(), w.data(), n, 1e-5f, out.data());
+      double ss = 0;
+      for (float v : x) ss += double{v} * v;
+      const double inv = 1.0 / std::sqrt(ss / n + 1e-5);
+      for (int64_t j = 0; j < n; ++j) {
+        EXPECT_NEAR(out[j], w[j] * x[j] * inv, 1e-5 * (1 + std::abs(w[j] * x[j] * inv))) << "n " << n << " j " << j;
+      }
+    }
   }
 }
 
-TEST(CpuRowKernelsTest, SiluMulMatchesDoublePrecision) {
-  const int64_t n = 203;
-  auto g = Random(n, 12), u = Random(n, 13);
-  g[0] = 30;
-  g[1] = -30;
-  std::vector<float> out(n);
-  SiluMulRow(g.data(), u.data(), n, out.data());
-  for (int64_t j = 0; j < n; ++j) {
-    const double want = g[j] / (1.0 + std::exp(-double{g[j]})) * u[j];
-    EXPECT_NEAR(out[j], want, 1e-5 * (1 + std::abs(want))) << j;
+TEST(CpuRowKernelsTest, SiluMulMatchesDoublePrecisionInEveryIsaVariant) {
+  for (const RowKernels& variant : AllRowKernelVariants()) {
+    if (!variant.supported) continue;
+    SCOPED_TRACE(variant.name);
+    for (int64_t n : {1, 7, 203, 768}) {
+      auto g = Random(n, 12), u = Random(n, 13);
+      g[0] = 30;
+      if (n > 1) g[1] = -30;
+      std::vector<float> out(n);
+      variant.silu_mul(g.data(), u.data(), n, out.data());
+      for (int64_t j = 0; j < n; ++j) {
+        const double want = g[j] / (1.0 + std::exp(-double{g[j]})) * u[j];
+        EXPECT_NEAR(out[j], want, 1e-5 * (1 + std::abs(want))) << "n " << n << " j " << j;
+      }
+    }
   }
 }
 
-TEST(CpuRowKernelsTest, RopeRotatesPairsInBothLayouts) {
-  const int64_t heads = 3, head_dim = 8, half = head_dim / 2;
-  const auto x = Random(heads * head_dim, 14);
-  std::vector<float> cos(half), sin(half);
-  for (int64_t j = 0; j < half; ++j) {
-    cos[j] = std::cos(0.3f * (j + 1));
-    sin[j] = std::sin(0.3f * (j + 1));
-  }
-  for (bool interleaved : {true, false}) {
-    std::vector<float> y = x;
-    RopeRow(y.data(), heads, head_dim, cos.data(), sin.data(), interleaved);
-    for (int64_t h = 0; h < heads; ++h) {
+TEST(CpuRowKernelsTest, RopeRotatesPairsInBothLayoutsInEveryIsaVariant) {
+  for (const RowKernels& variant : AllRowKernelVariants()) {
+    if (!variant.supported) continue;
+    SCOPED_TRACE(variant.name);
+    for (int64_t head_dim : {8, 48, 64}) {
+      const int64_t heads = 3, half = head_dim / 2;
+      const auto x = Random(heads * head_dim, 14);
+      std::vector<float> cos(half), sin(half);
       for (int64_t j = 0; j < half; ++j) {
-        const int64_t a = h * head_dim + (interleaved ? 2 * j : j);
-        const int64_t b = h * head_dim + (interleaved ? 2 * j + 1 : j + half);
-        EXPECT_NEAR(y[a], double{x[a]} * cos[j] - double{x[b]} * sin[j], 1e-6);
-        EXPECT_NEAR(y[b], double{x[a]} * sin[j] + double{x[b]} * cos[j], 1e-6);
+        cos[j] = std::cos(0.3f * (j + 1));
+        sin[j] = std::sin(0.3f * (j + 1));
+      }
+      for (bool interleaved : {true, false}) {
+        std::vector<float> y = x;
+        variant.rope(y.data(), heads, head_dim, cos.data(), sin.data(), interleaved);
+        for (int64_t h = 0; h < heads; ++h) {
+          for (int64_t j = 0; j < half; ++j) {
+            const int64_t a = h * head_dim + (interleaved ? 2 * j : j);
+            const int64_t b = h * head_dim + (interleaved ? 2 * j + 1 : j + half);
+            EXPECT_NEAR(y[a], double{x[a]} * cos[j] - double{x[b]} * sin[j], 1e-6) << head_dim << " " << interleaved;
+            EXPECT_NEAR(y[b], double{x[a]} * sin[j] + double{x[b]} * cos[j], 1e-6) << head_dim << " " << interleaved;
+          }
+        }
       }
     }
   }

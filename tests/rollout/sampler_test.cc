@@ -1,6 +1,7 @@
 // Sampler against closed-form distributions: softmax(logits / T), truncated by top-k / top-p.
 
 #include <cmath>
+#include <cstring>
 #include <map>
 #include <numeric>
 
@@ -8,6 +9,7 @@
 
 #include "rollout/sampler.h"
 #include "rollout/sampler_kernels.h"
+#include "tests/support/kernel_isa_builds.h"
 
 namespace vroll::rollout {
 namespace {
@@ -148,6 +150,55 @@ TEST(SamplerTest, PlainSamplingWithoutProbabilitiesDrawsWhatTheFullRowDraws) {
         const TokenChoice b = SampleFromDistribution(without, params, rb, scratch);
         ASSERT_EQ(a.token, b.token) << vocab << " t " << t << " draw " << draw;
         ASSERT_EQ(a.logprob, b.logprob);
+      }
+    }
+  }
+}
+
+// The sampler's row kernels in every ISA variant (this CPU's, then AVX2 and baseline SSE2 from
+// tests/support/kernel_isa_builds.h, what CPUs without AVX-512 run): the row maximum is exact, the
+// probabilities and block sums match a double-precision recompute, and within a variant ExpBlock
+// recomputes a block bit for bit as SoftmaxRow saw it (plain sampling relies on it).
+TEST(SamplerTest, RowKernelsMatchDoublePrecisionInEveryIsaVariant) {
+  struct Variant {
+    std::string name;
+    bool supported;
+    float (*exp_block)(const float*, int, float, float, float*);
+    kernels::RowStats (*softmax_row)(const float*, int, float, float*, double*);
+  };
+  std::vector<Variant> variants = {{"this CPU's variant", true, kernels::ExpBlock, kernels::SoftmaxRow}};
+  for (const testing::KernelVariant& v : testing::KernelVariants()) {
+    variants.push_back({v.name, v.supported, v.exp_block, v.softmax_row});
+  }
+  for (const Variant& variant : variants) {
+    if (!variant.supported) continue;
+    SCOPED_TRACE(variant.name);
+    for (int vocab : {7, 256, 1000, 32000}) {
+      const std::vector<float> logits = RandomLogits(vocab, static_cast<uint64_t>(vocab) + 1);
+      const int num_blocks = (vocab + kernels::kBlock - 1) / kernels::kBlock;
+      for (float inv_t : {1.0f / 0.3f, 1.0f, 1.0f / 1.7f}) {
+        std::vector<float> probs(vocab);
+        std::vector<double> sums(num_blocks);
+        const kernels::RowStats stats = variant.softmax_row(logits.data(), vocab, inv_t, probs.data(), sums.data());
+        float max_v = -INFINITY;
+        for (float l : logits) max_v = std::max(max_v, l * inv_t);
+        ASSERT_EQ(stats.max, max_v) << vocab;
+        double total = 0;
+        for (int b = 0; b < num_blocks; ++b) {
+          const int begin = b * kernels::kBlock, n = std::min(vocab - begin, kernels::kBlock);
+          double block_sum = 0;
+          for (int i = begin; i < begin + n; ++i) {
+            const double want = std::exp(double{logits[i] * inv_t} - max_v);
+            ASSERT_NEAR(probs[i], want, 2e-6 * want + 1e-30) << vocab << " id " << i;
+            block_sum += want;
+          }
+          EXPECT_NEAR(sums[b], block_sum, 1e-5 * block_sum) << vocab << " block " << b;
+          total += block_sum;
+          float block[kernels::kBlock];
+          EXPECT_EQ(static_cast<double>(variant.exp_block(logits.data() + begin, n, inv_t, stats.max, block)), sums[b]);
+          ASSERT_EQ(0, std::memcmp(block, probs.data() + begin, sizeof(float) * n)) << vocab << " block " << b;
+        }
+        EXPECT_NEAR(stats.total, total, 1e-5 * total) << vocab;
       }
     }
   }
