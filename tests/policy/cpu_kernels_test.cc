@@ -22,6 +22,13 @@ void LinearTilesAvx2Fma(const float* x, int64_t m, int64_t k, const float* packe
 void PackWeightAvx2Fma(const float* w, int64_t n, int64_t k, int64_t tile_begin, int64_t tile_end, float* packed);
 }  // namespace vroll::testing
 
+namespace vroll::testing {  // tests/policy/cpu_gemm_isa_build_baseline.cc
+void LinearTilesBaseline(const float* x, int64_t m, int64_t k, const float* packed, int64_t n, const float* bias,
+                         float* y, int64_t ldy, bool accumulate, int64_t tile_begin, int64_t tile_end,
+                         bool stream_output);
+void PackWeightBaseline(const float* w, int64_t n, int64_t k, int64_t tile_begin, int64_t tile_end, float* packed);
+}  // namespace vroll::testing
+
 namespace vroll::policy::kernels {
 namespace {
 
@@ -53,30 +60,57 @@ std::vector<double> Reference(const std::vector<float>& x, const std::vector<flo
   return y;
 }
 
-TEST(CpuGemmTest, MatchesDoublePrecisionOnEdgeShapes) {
+// This CPU's variant, and the baseline x86-64 one (SSE2, no FMA: what a CPU without AVX runs),
+// built again (tests/policy/cpu_gemm_isa_build_baseline.cc): it packs the same layout and meets
+// the same bound. (The AVX2+FMA variant computes this CPU's bits, tested below.)
+TEST(CpuGemmTest, MatchesDoublePrecisionOnEdgeShapesThisCpusVariantAndBaseline) {
+  using Linear = void (*)(const float*, int64_t, int64_t, const float*, int64_t, const float*, float*, int64_t, bool,
+                          int64_t, int64_t, bool);
+  const Linear here = [](const float* x, int64_t m, int64_t k, const float* packed, int64_t n, const float* bias,
+                         float* y, int64_t ldy, bool accumulate, int64_t tile_begin, int64_t tile_end,
+                         bool stream_output) {
+    LinearTiles(x, m, k, packed, n, bias, y, ldy, accumulate, tile_begin, tile_end, stream_output);
+  };
+  double max_diff_baseline = 0;
   // Row counts around the 14-row register block, column counts around the 32-column tile, odd k.
   for (int64_t m : {1, 5, 13, 14, 15, 27, 29, 43}) {
     for (int64_t n : {1, 16, 31, 32, 33, 70}) {
       for (int64_t k : {1, 7, 64, 173}) {
         const auto x = Random(m * k, 1), w = Random(n * k, 2), bias = Random(n, 3);
         const auto packed = Packed(w, n, k);
+        std::vector<float> packed_baseline(PackedSize(n, k), -1.0f);
+        vroll::testing::PackWeightBaseline(w.data(), n, k, 0, NumColumnTiles(n), packed_baseline.data());
+        ASSERT_EQ(std::memcmp(packed.data(), packed_baseline.data(), sizeof(float) * packed.size()), 0)
+            << "baseline packing, n=" << n << " k=" << k;
         for (bool with_bias : {false, true}) {
           const float* b = with_bias ? bias.data() : nullptr;
           const int64_t ldy = n + 3;  // a row stride wider than n: columns past n stay untouched
-          std::vector<float> y(m * ldy, 42.0f);
-          LinearTiles(x.data(), m, k, packed.data(), n, b, y.data(), ldy, false, 0, NumColumnTiles(n));
           const auto ref = Reference(x, w, b, m, n, k);
-          for (int64_t i = 0; i < m; ++i) {
-            for (int64_t j = 0; j < n; ++j) {
-              ASSERT_NEAR(y[i * ldy + j], ref[i * n + j], 1e-4 * std::sqrt(double(k)) + 1e-6)
-                  << "m=" << m << " n=" << n << " k=" << k << " at " << i << "," << j;
+          std::vector<float> y_here;
+          for (const Linear linear : {here, static_cast<Linear>(vroll::testing::LinearTilesBaseline)}) {
+            const char* name = linear == here ? "this CPU's variant" : "baseline variant";
+            std::vector<float> y(m * ldy, 42.0f);
+            linear(x.data(), m, k, packed.data(), n, b, y.data(), ldy, false, 0, NumColumnTiles(n), false);
+            for (int64_t i = 0; i < m; ++i) {
+              for (int64_t j = 0; j < n; ++j) {
+                ASSERT_NEAR(y[i * ldy + j], ref[i * n + j], 1e-4 * std::sqrt(double(k)) + 1e-6)
+                    << name << " m=" << m << " n=" << n << " k=" << k << " at " << i << "," << j;
+              }
+              for (int64_t j = n; j < ldy; ++j) ASSERT_EQ(y[i * ldy + j], 42.0f) << name << " wrote past column n";
             }
-            for (int64_t j = n; j < ldy; ++j) ASSERT_EQ(y[i * ldy + j], 42.0f) << "wrote past column n";
+            if (linear == here) {
+              y_here = y;
+            } else {
+              for (size_t i = 0; i < y.size(); ++i) {
+                max_diff_baseline = std::max(max_diff_baseline, double{std::abs(y[i] - y_here[i])});
+              }
+            }
           }
         }
       }
     }
   }
+  std::printf("baseline variant vs this CPU's: max |diff| %.3g\n", max_diff_baseline);
 }
 
 TEST(CpuGemmTest, AccumulateAddsTheProductToY) {
