@@ -7,6 +7,8 @@
 //   vroll-worker --endpoint tcp://0.0.0.0:5555 --curve-secret-key worker.key
 //       --curve-trainer-keys trainers.txt --curve-client-keys clients.txt   (one command line)
 
+#include <malloc.h>  // malloc_trim (glibc)
+
 #include <csignal>
 #include <filesystem>
 #include <cstdio>
@@ -76,7 +78,15 @@ int main(int argc, char** argv) {
   app.add_option("--curve-client-keys", client_keys_path, "allow-list file: Z85 public keys that may generate only")
       ->check(CLI::ExistingFile);
   app.add_option("--threads", threads, "intra-op threads (0 = all cores)")->capture_default_str()->check(vroll::examples::IntAtLeast(0));
+  bool no_spare_weights = false;
+  app.add_flag("--no-spare-weights", no_spare_weights,
+               "apply weight updates in place (copy, then repack at the engine's safe point): the weights take "
+               "2x their fp32 size instead of 4x, and each update stalls generation for about one pass over them");
   CLI11_PARSE(app, argc, argv);
+  if (no_spare_weights) {
+    engine_config.swap_weight_buffers = false;
+    engine_config.prepack_weights = false;
+  }
 
   auto& log = vroll::Logger("examples");
   try {
@@ -104,6 +114,10 @@ int main(int argc, char** argv) {
     }
 
     vroll::rollout::Engine engine(ckpt, engine_config);
+    // The model holds its own copy: do not keep a second one for the worker's lifetime, and hand
+    // the freed pages back (glibc keeps freed heap memory mapped otherwise).
+    ckpt = {};
+    malloc_trim(0);
     engine.Start();
     vroll::transport::WorkerServer server(engine, worker_config);
     std::printf("%s\n", server.endpoint().c_str());

@@ -3,6 +3,7 @@
 #if defined(__SSE2__)
 #include <immintrin.h>  // SSE2; AVX-512 only inside target("avx512f") functions
 #endif
+#include <malloc.h>  // malloc_trim (glibc)
 
 #include <algorithm>
 #include <atomic>
@@ -684,6 +685,14 @@ void WeightUpdateStaging::Abort() {
   pending_version_ = 0;
   transaction_id_ = 0;
   state_ = State::kIdle;
+  if (!keep_buffers_ && staging_bytes() > 0) {
+    for (Slot& slot : slots_) {
+      std::vector<float>().swap(slot.values);
+      std::vector<uint8_t>().swap(slot.raw);
+      slot.span = FloatSpan();
+    }
+    malloc_trim(0);  // glibc keeps freed heap chunks mapped: hand the pages back
+  }
   if (observer_ != nullptr) observer_->OnEnd();
 }
 

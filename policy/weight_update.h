@@ -276,7 +276,8 @@ class StagingObserver {
 /// Ownership: owns one fp32 buffer per parameter that an update has named (allocated on first
 /// use, then reused: a full update holds one fp32 copy of the model) plus one raw buffer per
 /// parameter ever sent as fp16/bf16 (2 bytes per element; fp32 sources are written straight into
-/// the fp32 buffer). Buffers are never released or shrunk while the object lives. A parameter
+/// the fp32 buffer). By default buffers are kept for reuse while the object lives (no page faults
+/// per update); set_keep_buffers(false) releases them whenever a transaction ends. A parameter
 /// given a buffer by UseValueBuffers stages its fp32 values there instead (borrowed, not owned):
 /// this is how the engine swaps staged buffers into the model instead of copying them.
 ///
@@ -343,8 +344,15 @@ class WeightUpdateStaging {
   /// WeightUpdateError). Valid until the next Begin, Abort or Finish.
   const std::vector<VerifiedTensor>& verified() const;
 
-  /// Discards the transaction, whatever its state: any -> kIdle. Buffers are kept for reuse.
+  /// Discards the transaction, whatever its state: any -> kIdle. Buffers are kept for reuse
+  /// unless set_keep_buffers(false).
   void Abort();
+
+  /// false: every end of a transaction (Abort, Finish, the Abort in Begin) releases the staging's
+  /// own fp32 and raw buffers, so an idle staging holds no copy of the weights (an engine applying
+  /// updates in place keeps 2x the weights' size between updates instead of 3x). Default true:
+  /// kept for reuse. Borrowed buffers (UseValueBuffers) are never the staging's to release.
+  void set_keep_buffers(bool keep) { keep_buffers_ = keep; }
 
   /// Where each parameter's fp32 values are staged from the next Begin on: `buffers[i]` (parallel
   /// to params(); prod(shape) floats, borrowed: it must stay valid and untouched by others until
@@ -355,7 +363,7 @@ class WeightUpdateStaging {
   void UseValueBuffers(const std::vector<float*>& buffers);
 
   /// Closes a transaction whose verified() was applied: kVerified -> kIdle (else
-  /// WeightUpdateError). Buffers are kept for reuse.
+  /// WeightUpdateError). Buffers are kept for reuse unless set_keep_buffers(false).
   void Finish();
 
   /// Reports this staging's transactions to `observer` (borrowed; null: none) from the next Begin
@@ -452,6 +460,7 @@ class WeightUpdateStaging {
   bool tied_lm_head_ = false;
 
   // Transaction state (owner thread only).
+  bool keep_buffers_ = true;
   State state_ = State::kIdle;
   PolicyVersion pending_version_ = 0;
   std::string poison_cause_;

@@ -86,9 +86,13 @@ Engine::Engine(const policy::Checkpoint& checkpoint, const EngineConfig& config)
   counters_.num_blocks = num_blocks;
   PublishStats();
   Logger("rollout").info(
-      "engine: {} KV blocks x {} tokens ({:.1f} MiB), max_num_seqs {}, max_num_batched_tokens {}, prefix caching {}",
+      "engine: {} KV blocks x {} tokens ({:.1f} MiB), max_num_seqs {}, max_num_batched_tokens {}, prefix caching {}; "
+      "weight updates {}",
       num_blocks, config_.block_size, num_blocks * bytes_per_block / 1048576.0, config_.max_num_seqs,
-      config_.max_num_batched_tokens, config_.enable_prefix_caching ? "on" : "off");
+      config_.max_num_batched_tokens, config_.enable_prefix_caching ? "on" : "off",
+      !config_.swap_weight_buffers ? "applied in place (copy + repack at the safe point)"
+      : config_.prepack_weights    ? "staged in spare buffers, packed while staged, swapped"
+                                   : "staged in spare buffers, swapped, repacked at the safe point");
 }
 
 Engine::~Engine() { Stop(); }
@@ -386,6 +390,8 @@ std::shared_ptr<policy::WeightUpdateStaging> Engine::MakeStaging() {
     staging->SetObserver(runner_->staging_observer());  // packs GEMM weights as they are staged
     bound_staging_ = staging;
   }
+  // Applying in place is the memory-lean mode: no staged copy of the weights between updates.
+  if (!config_.swap_weight_buffers) staging->set_keep_buffers(false);
   return staging;
 }
 

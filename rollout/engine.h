@@ -46,7 +46,11 @@ struct EngineConfig {
   /// model instead of copied, their GEMM weights packed on the staging's thread as they arrive
   /// rather than repacked at the safe point (ModelRunnerConfig::swap_weight_buffers): the stall
   /// drops to microseconds, for one spare copy of the weights and one of the packed GEMM
-  /// weights, allocated at construction.
+  /// weights, allocated at construction. Off (vroll-worker --no-spare-weights): updates are
+  /// copied into the model and its GEMM weights repacked at the safe point (a stall of about one
+  /// pass over the weights), the engine's stagings release their buffers after each update, and
+  /// the weights take 2x their fp32 size between updates (fp32 + packed), 3x during one, instead
+  /// of 4x.
   bool swap_weight_buffers = true;
   /// See ModelRunnerConfig::prepack_weights (off: the safe point repacks every update).
   bool prepack_weights = true;

@@ -33,6 +33,7 @@ from vroll_llama import DEFAULT_CONFIG, Llama  # noqa: E402
 WORKER = os.environ.get("VROLL_WORKER")
 NUM_VERSIONS = 4  # pushed by the trainer process after the initial version 1
 TOL = 1e-4
+WORKER_EXTRA = [[], ["--no-spare-weights"]]  # per worker: its weight-update apply path
 
 
 def free_port():
@@ -153,7 +154,11 @@ class VersionConsistencyTest(unittest.TestCase):
 
     def setUp(self):
         self.endpoints = [f"tcp://127.0.0.1:{free_port()}" for _ in range(2)]
-        self.workers = [start_worker(ep, ["--update-timeout-ms", "1500"]) for ep in self.endpoints]
+        # Worker 1 applies updates in place (--no-spare-weights: copy + repack at the safe point),
+        # worker 0 by swapping spare buffers packed while staged (the default): both apply paths
+        # are held to the same oracle.
+        self.workers = [start_worker(ep, ["--update-timeout-ms", "1500", *WORKER_EXTRA[i]])
+                        for i, ep in enumerate(self.endpoints)]
         self.client = VrollClient(self.endpoints, timeout_s=60)
         self.client.wait_ready(timeout_s=60)
         self.client.push_weights(version_weights(1), 1)
@@ -244,7 +249,7 @@ class VersionConsistencyTest(unittest.TestCase):
         self.client.push_weights(version_weights(2), 2)
         self.workers[1].kill()
         self.workers[1].wait()
-        self.workers[1] = start_worker(self.endpoints[1], ["--update-timeout-ms", "1500"])
+        self.workers[1] = start_worker(self.endpoints[1], ["--update-timeout-ms", "1500", *WORKER_EXTRA[1]])
         deadline = time.time() + 60
         while True:
             try:

@@ -985,6 +985,45 @@ TEST_F(WeightUpdateStagingTest, StagingBytesStayFlatAcross300Updates) {
   }
 }
 
+// set_keep_buffers(false) (an engine applying updates in place): an idle staging holds no copy of
+// the weights. Every end of a transaction releases the buffers (Finish, Abort, a poisoned one
+// discarded by the next Begin), and the next transaction stages the exact values again.
+TEST_F(WeightUpdateStagingTest, WithoutKeepingBuffersEveryEndReleasesThem) {
+  staging_.set_keep_buffers(false);
+  int64_t fp32_bytes = 0;
+  for (const ParamSpec& param : staging_.params()) fp32_bytes += Numel(param.shape) * 4;
+  ASSERT_EQ(staging_.staging_bytes(), 0u);
+  PolicyVersion version = 1;
+  for (int round = 0; round < 6; ++round, ++version) {
+    const DType dtype = round % 2 == 0 ? DType::kF32 : DType::kBF16;
+    std::vector<SourceTensor> sources;
+    for (const ParamSpec& param : staging_.params()) sources.push_back(RandomSource(param, dtype, rng_));
+    ASSERT_TRUE(staging_.Begin(ManifestFor(version, sources), version - 1).ok());
+    const size_t expected = static_cast<size_t>(fp32_bytes + (dtype == DType::kBF16 ? fp32_bytes / 2 : 0));
+    EXPECT_EQ(staging_.staging_bytes(), expected) << "round " << round;
+    ASSERT_NO_FATAL_FAILURE(WriteAll(staging_, RandomChunks(sources, rng_, 1 + 7 * round)));
+    const UpdateStatus verified = staging_.Verify();
+    ASSERT_TRUE(verified.ok()) << verified.error();
+    ASSERT_NO_FATAL_FAILURE(ExpectVerifiedEquals(staging_, sources));
+    switch (round % 3) {
+      case 0: staging_.Finish(); break;
+      case 1: staging_.Abort(); break;
+      case 2: {  // a Verify twice poisons; the next Begin discards the poisoned transaction
+        EXPECT_FALSE(staging_.Verify().ok());
+        EXPECT_EQ(staging_.staging_bytes(), expected) << "a poisoned transaction keeps its buffers until it ends";
+        std::vector<SourceTensor> next;
+        for (const ParamSpec& param : staging_.params()) next.push_back(RandomSource(param, DType::kF32, rng_));
+        ASSERT_TRUE(staging_.Begin(ManifestFor(version + 1, next), version).ok());
+        EXPECT_EQ(staging_.staging_bytes(), static_cast<size_t>(fp32_bytes)) << "the new transaction's buffers only";
+        staging_.Abort();
+        ++version;
+        break;
+      }
+    }
+    EXPECT_EQ(staging_.staging_bytes(), 0u) << "round " << round << ": buffers kept after the transaction ended";
+  }
+}
+
 TEST(WeightUpdateApiTest, ConstructorRejectsBadParameterLists) {
   EXPECT_THROW(WeightUpdateStaging({{"a", {2}}, {"a", {2}}}), WeightUpdateError);
   EXPECT_THROW(WeightUpdateStaging({{"a", {2, -1}}}), WeightUpdateError);
