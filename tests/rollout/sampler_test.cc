@@ -176,7 +176,7 @@ TEST(SamplerTest, RowKernelsMatchDoublePrecisionInEveryIsaVariant) {
     for (int vocab : {7, 256, 1000, 32000}) {
       const std::vector<float> logits = RandomLogits(vocab, static_cast<uint64_t>(vocab) + 1);
       const int num_blocks = (vocab + kernels::kBlock - 1) / kernels::kBlock;
-      for (float inv_t : {1.0f / 0.3f, 1.0f, 1.0f / 1.7f}) {
+      for (float inv_t : {1e5f, 1e3f, 1.0f / 0.3f, 1.0f, 1.0f / 1.7f}) {
         std::vector<float> probs(vocab);
         std::vector<double> sums(num_blocks);
         const kernels::RowStats stats = variant.softmax_row(logits.data(), vocab, inv_t, probs.data(), sums.data());
@@ -192,13 +192,46 @@ TEST(SamplerTest, RowKernelsMatchDoublePrecisionInEveryIsaVariant) {
             ASSERT_NEAR(probs[i], want, 2e-6 * want + 1e-30) << vocab << " id " << i;
             block_sum += want;
           }
-          EXPECT_NEAR(sums[b], block_sum, 1e-5 * block_sum) << vocab << " block " << b;
+          EXPECT_NEAR(sums[b], block_sum, 1e-5 * block_sum + 1e-30) << vocab << " block " << b;  // float: 0 below ~1e-38
           total += block_sum;
           float block[kernels::kBlock];
           EXPECT_EQ(static_cast<double>(variant.exp_block(logits.data() + begin, n, inv_t, stats.max, block)), sums[b]);
           ASSERT_EQ(0, std::memcmp(block, probs.data() + begin, sizeof(float) * n)) << vocab << " block " << b;
         }
         EXPECT_NEAR(stats.total, total, 1e-5 * total) << vocab;
+      }
+    }
+  }
+}
+
+// At low temperatures the scaled logits are large (logit / 1e-5 ~ 4e5), where an FMA-contracted
+// logits[i] * inv_t - max is the product's rounding error (~0.1) instead of 0 for the top logit:
+// its term was exp(+-0.1), the row total fell below 1 and logprobs came out above 0. Oracle:
+// log_softmax in float64 of the scaled logits rounded to float as the sampler scales them, which
+// is <= 0 for every token; the draws must match it, so also never exceed 0.
+TEST(SamplerTest, LogprobsAreNeverPositiveAndMatchFloat64AtLowTemperatures) {
+  for (int vocab : {7, 512, 32000}) {
+    const std::vector<float> logits = RandomLogits(vocab, 77 + static_cast<uint64_t>(vocab));
+    for (double t : {1e-5, 1e-4, 1e-3, 1e-2, 0.3}) {
+      const float inv_t = static_cast<float>(1.0 / t);
+      std::vector<double> scaled(vocab);
+      double max_v = -1e300;
+      for (int i = 0; i < vocab; ++i) {
+        const float product = logits[i] * inv_t;  // rounded to float, as the sampler does
+        scaled[i] = product;
+        max_v = std::max(max_v, scaled[i]);
+      }
+      double sum = 0;
+      for (double x : scaled) sum += std::exp(x - max_v);
+      const double lse = max_v + std::log(sum);
+      SamplingParams params;
+      params.temperature = t;
+      SequenceRng rng(5, 1);
+      std::vector<float> scratch;
+      for (int draw = 0; draw < 50; ++draw) {
+        const TokenChoice c = SampleToken(logits.data(), vocab, params, rng, scratch);
+        ASSERT_LE(c.logprob, 0.0f) << "vocab " << vocab << " t " << t << " token " << c.token;
+        ASSERT_NEAR(c.logprob, scaled[c.token] - lse, 1e-5) << "vocab " << vocab << " t " << t;
       }
     }
   }

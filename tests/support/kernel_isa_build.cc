@@ -24,12 +24,14 @@
 #endif
 
 #define vroll VROLL_ISA_BUILD
+#if VROLL_ISA_SAMPLER_PART  // compiled as sampler_kernels.cc is (-ffp-contract=off)
+#define VROLL_KERNEL_CLONES VROLL_ISA_SAMPLER
+#include "rollout/sampler_kernels.cc"
+#else
 #define VROLL_KERNEL_CLONES VROLL_ISA_ATTENTION
 #include "cache/attention_kernel.cc"
 #include "policy/cpu_row_kernels.cc"
-#undef VROLL_KERNEL_CLONES
-#define VROLL_KERNEL_CLONES VROLL_ISA_SAMPLER
-#include "rollout/sampler_kernels.cc"
+#endif
 #undef VROLL_KERNEL_CLONES
 #undef vroll
 
@@ -37,9 +39,20 @@
 
 namespace vroll::testing::VROLL_ISA_WRAPPERS {
 
+#if VROLL_ISA_SAMPLER_PART
+namespace rollout_kernels = ::VROLL_ISA_BUILD::rollout::kernels;
+
+float ExpBlock(const float* logits, int n, float inv_t, float max, float* out) {
+  return rollout_kernels::ExpBlock(logits, n, inv_t, max, out);
+}
+
+void SoftmaxRow(const float* logits, int vocab_size, float inv_t, float* probs, double* block_sums, void* stats) {
+  *static_cast<rollout_kernels::RowStats*>(stats) =
+      rollout_kernels::SoftmaxRow(logits, vocab_size, inv_t, probs, block_sums);
+}
+#else
 namespace cache_kernels = ::VROLL_ISA_BUILD::cache::kernels;
 namespace policy_kernels = ::VROLL_ISA_BUILD::policy::kernels;
-namespace rollout_kernels = ::VROLL_ISA_BUILD::rollout::kernels;
 
 void AttendTokens(const void* rows, int num_rows, int shared_keys, int n_kv, int group, int head_dim, int block_size,
                   const float* k_base, const float* v_base, int64_t block_stride, int64_t token_stride, float scale,
@@ -60,13 +73,6 @@ void RopeRow(float* x, int64_t n_heads, int64_t head_dim, const float* cos, cons
   policy_kernels::RopeRow(x, n_heads, head_dim, cos, sin, interleaved);
 }
 
-float ExpBlock(const float* logits, int n, float inv_t, float max, float* out) {
-  return rollout_kernels::ExpBlock(logits, n, inv_t, max, out);
-}
-
-void SoftmaxRow(const float* logits, int vocab_size, float inv_t, float* probs, double* block_sums, void* stats) {
-  *static_cast<rollout_kernels::RowStats*>(stats) =
-      rollout_kernels::SoftmaxRow(logits, vocab_size, inv_t, probs, block_sums);
-}
+#endif
 
 }  // namespace vroll::testing::VROLL_ISA_WRAPPERS
