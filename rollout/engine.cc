@@ -202,6 +202,9 @@ void Engine::DrainInbox() {
 
 void Engine::Emit(std::vector<SampleResult> results) {
   for (SampleResult& r : results) {
+    // No output token to tag (a stop token not included, an abort before the first token): the
+    // sample finished under the version in use now, not under "version 0".
+    if (r.version_spans.empty()) r.policy_version = version_.load();
     const std::string id = r.request_id;
     ++counters_.num_finished_samples;
     ResultCallback callback;

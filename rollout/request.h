@@ -56,6 +56,8 @@ struct SampleResult {
   std::string error;                   ///< set when finish_reason is kError (names what was wrong)
   /// The version that produced every output token; when tokens come from several versions
   /// (in-flight mode "continue"), the version of the last one, and version_spans lists them all.
+  /// A sample with no output token (its stop token not included, or aborted before its first
+  /// token) carries the version in use when it finished (set by the engine).
   PolicyVersion policy_version = 0;
   std::vector<VersionSpan> version_spans;  ///< always covers [0, output_ids.size()) when non-empty
   int32_t num_prompt_tokens = 0;

@@ -270,6 +270,38 @@ TEST_F(PolicyVersionTest, MinPolicyVersionWaitsForTheUpdate) {
   e.Stop();
 }
 
+// A sample with no output token has no span to take its version from: one whose first token
+// is a stop token left out, and one aborted before its first token, carry the version in use
+// when they finished (a trainer filtering on policy_version must not see "version 0").
+TEST_F(PolicyVersionTest, SamplesWithoutTokensCarryTheVersionTheyFinishedUnder) {
+  Engine e(base_, config_);
+  ASSERT_TRUE(e.UpdateWeights(Perturbed(base_, 12), 1).ok);
+  ASSERT_TRUE(e.UpdateWeights(Perturbed(base_, 13), 2).ok);
+  Request stop_at_once = MakeRequest("stop", Prompt(6, 700), 10, 1.0, 3);
+  for (TokenId t = 0; t < base_.config.vocab_size; ++t) stop_at_once.sampling.stop_token_ids.push_back(t);
+  stop_at_once.sampling.include_stop_token = false;
+  for (const SampleResult& r : e.Generate({stop_at_once})) {
+    EXPECT_TRUE(r.output_ids.empty());
+    EXPECT_EQ(r.finish_reason, FinishReason::kStop);
+    EXPECT_TRUE(r.version_spans.empty());
+    EXPECT_EQ(r.policy_version, 2u) << "sample " << r.sample_index;
+  }
+  // Waiting on a version that never comes, then aborted: no token, finished under version 2.
+  e.Start();
+  std::promise<SampleResult> got;
+  Request waiting = MakeRequest("waiting", Prompt(6, 701), 5);
+  waiting.min_policy_version = 9;
+  ASSERT_TRUE(e.Submit(waiting, [&](SampleResult s) { got.set_value(std::move(s)); }).ok());
+  e.Abort("waiting");
+  auto future = got.get_future();
+  ASSERT_EQ(future.wait_for(std::chrono::seconds(30)), std::future_status::ready);
+  const SampleResult aborted = future.get();
+  EXPECT_EQ(aborted.finish_reason, FinishReason::kAborted);
+  EXPECT_TRUE(aborted.output_ids.empty());
+  EXPECT_EQ(aborted.policy_version, 2u);
+  e.Stop();
+}
+
 TEST_F(PolicyVersionTest, PausedEngineStillAppliesUpdatesWithoutDeadlock) {
   Engine e(base_, config_);
   e.Start();

@@ -76,7 +76,9 @@ class CompletionOutput:
       logprobs: per generated token, log_softmax(logits / temperature)[token] before top-k/top-p
         under the policy that produced it (temperature 0: of the raw logits).
       finish_reason: ``stop``, ``length``, ``aborted`` or ``error``.
-      policy_version: the version that produced the tokens (the last span's when mixed).
+      policy_version: the version that produced the tokens (the last span's when mixed); with no
+        token (stop token not included, aborted before the first one), the version in use when
+        the sample finished.
       version_spans: [(begin, end, version)]: tokens [begin, end) came from ``version``.
       num_prompt_tokens, num_cached_prompt_tokens: prompt length and how much of it came from
         the prefix cache.
