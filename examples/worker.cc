@@ -13,6 +13,7 @@
 #include <filesystem>
 #include <cstdio>
 #include <optional>
+#include <random>
 #include <string>
 
 #include <CLI/CLI.hpp>
@@ -70,7 +71,10 @@ int main(int argc, char** argv) {
   app.add_option("--heartbeat-ms", worker_config.heartbeat_ms,
                  "PING each connection this often; close one silent for 3x as long (0 = off)")
       ->capture_default_str()->check(vroll::examples::IntAtLeast(0));
-  app.add_option("--seed", engine_config.seed, "draws the seeds of requests that carry none")->capture_default_str();
+  std::optional<uint64_t> seed;
+  app.add_option("--seed", seed,
+                 "draws the seeds of requests that carry none; default: random per worker process (logged), so "
+                 "that workers, and a worker after a restart, do not repeat each other's samples");
   app.add_option("--curve-secret-key", secret_key_path, "file with this worker's Z85 CURVE secret key (turns CURVE on)")
       ->check(CLI::ExistingFile);
   app.add_option("--curve-trainer-keys", trainer_keys_path, "allow-list file: Z85 public keys that may do everything")
@@ -105,6 +109,14 @@ int main(int argc, char** argv) {
                                                        : vroll::policy::LoadLlama2cCheckpoint(model_path);
       if (!tokenizer_path.empty()) (void)vroll::policy::Tokenizer::LoadLlama2c(tokenizer_path, ckpt.config.vocab_size);
     }
+    if (seed) {
+      engine_config.seed = *seed;
+    } else {
+      std::random_device device;
+      engine_config.seed = (uint64_t{device()} << 32) | device();
+    }
+    log.info("seed {} for requests that carry none{}", engine_config.seed,
+             seed ? "" : " (random; pass --seed to reproduce them)");
     engine_config.kv_cache_bytes = kv_cache_mb << 20;
     worker_config.max_message_bytes = max_message_mb << 20;
     if (!secret_key_path.empty()) {

@@ -53,7 +53,8 @@ def start_workers(args):
     procs, endpoints = [], []
     for i in range(args.workers):
         endpoint = f"tcp://127.0.0.1:{free_port()}"
-        cmd = [args.worker_bin, "--endpoint", endpoint, "--kv-cache-mb", "256"]
+        # A seed per worker: their samples differ from each other's, and the run is reproducible.
+        cmd = [args.worker_bin, "--endpoint", endpoint, "--kv-cache-mb", "256", "--seed", str(args.seed * 1000 + i)]
         if args.model:
             cmd += ["--model", args.model, "--tokenizer", args.tokenizer]
         log = open(os.path.join(args.out, f"worker{i}.log"), "w")

@@ -152,6 +152,40 @@ class TwoWorkersTest(unittest.TestCase):
                 self.assertEqual(c.num_prompt_tokens, len(prompt))
         self.assertEqual(len({tuple(c.token_ids) for c in outs[0].outputs}), 4)
 
+    def test_unseeded_requests_draw_different_samples_on_different_workers(self):
+        # The class's workers run without --seed: each draws its own seed stream at random, so
+        # the same unseeded request sent to both must not repeat a sample (with one shared default
+        # seed stream, every worker returned the same samples and a restarted one replayed them).
+        prompt = [1, 72, 101, 108]
+        params = SamplingParams(temperature=1.0, max_tokens=16)
+        samples = {}
+        for ep in self.endpoints:
+            out = self.client.generate([prompt], params, n=4, endpoints=[ep])[0]
+            samples[ep] = {tuple(c.token_ids) for c in out.outputs}
+        a, b = (samples[ep] for ep in self.endpoints)
+        self.assertEqual(len(a), 4)
+        self.assertEqual(len(b), 4)
+        self.assertEqual(a & b, set(), "two workers drew the same unseeded samples")
+
+    def test_workers_given_the_same_seed_draw_the_same_unseeded_samples(self):
+        # --seed makes unseeded requests reproducible: two fresh workers started with the same
+        # seed, weights and requests in the same order return the same samples.
+        prompt = [1, 84, 104]
+        params = SamplingParams(temperature=1.0, max_tokens=16)
+        seeded = [WorkerProcess(f"ipc://{self.tmp.name}/seeded{i}.sock", self.tmp.name, f"seeded{i}",
+                                ["--seed", "1234"]) for i in range(2)]
+        client = VrollClient([w.endpoint for w in seeded], timeout_s=60)
+        try:
+            runs = [[tuple(c.token_ids) for c in client.generate([prompt], params, n=3,
+                                                                   endpoints=[w.endpoint])[0].outputs]
+                    for w in seeded]
+        finally:
+            client.close(linger_ms=0)
+            for w in seeded:
+                w.stop()
+        self.assertEqual(runs[0], runs[1])
+        self.assertEqual(len(set(runs[0])), 3)
+
     def test_sampling_fields_reach_the_worker(self):
         # The worker ignores unknown fields, so a misnamed one would pass silently: check that
         # each field changes what comes back.
