@@ -89,20 +89,21 @@ Tokenizer Tokenizer::LoadLlama2c(const std::string& path, int vocab_size) {
   ByteReader reader(data);
   uint32_t max_token_length = 0;
   if (!reader.Read(&max_token_length)) {
-    throw LoadError(fmt::format("{}: file is {} bytes, too short for the header field max_token_length", path,
-                                data.size()));
+    throw LoadError(fmt::format(
+        "{}: not a llama2.c tokenizer: file is {} bytes, too short for the header field max_token_length", path,
+        data.size()));
   }
   if (max_token_length > static_cast<uint32_t>(INT32_MAX)) {
-    throw LoadError(fmt::format("{}: header field max_token_length = {} must be <= {}", path, max_token_length,
-                                INT32_MAX));
+    throw LoadError(fmt::format("{}: not a llama2.c tokenizer: header field max_token_length = {} must be <= {}",
+                                path, max_token_length, INT32_MAX));
   }
   std::vector<std::string> pieces;
   std::vector<float> scores;
   for (int i = 0; i < vocab_size; ++i) {
     const auto truncated = [&](const char* field) {
       return LoadError(fmt::format(
-          "{}: entry {} of {} is truncated at field {} (offset {} of {} bytes; tokenizer has fewer entries than "
-          "vocab_size {})",
+          "{}: not a llama2.c tokenizer of this model: entry {} of {} is truncated at field {} (offset {} of {} "
+          "bytes; the file has fewer entries than vocab_size {})",
           path, i, vocab_size, field, reader.offset(), data.size(), vocab_size));
     };
     float score = 0;
@@ -110,14 +111,15 @@ Tokenizer Tokenizer::LoadLlama2c(const std::string& path, int vocab_size) {
     if (!reader.Read(&score)) throw truncated("score");
     if (!reader.Read(&len)) throw truncated("len");
     if (len < 0 || static_cast<uint32_t>(len) > max_token_length) {
-      throw LoadError(fmt::format("{}: entry {} of {} field len = {} must be in [0, max_token_length = {}]", path, i,
-                                  vocab_size, len, max_token_length));
+      throw LoadError(fmt::format(
+          "{}: not a llama2.c tokenizer: entry {} of {} field len = {} must be in [0, max_token_length = {}]", path, i,
+          vocab_size, len, max_token_length));
     }
     const std::optional<std::string_view> bytes = reader.ReadBytes(static_cast<size_t>(len));
     if (!bytes) throw truncated("bytes");
     if (i >= kFirstByteToken && i < kFirstByteToken + kNumByteTokens && *bytes != BytePiece(i - kFirstByteToken)) {
-      throw LoadError(fmt::format("{}: entry {} of {} is \"{}\" but byte-fallback entries 3..258 must be "
-                                  "\"<0x00>\"..\"<0xFF>\" (expected \"{}\")",
+      throw LoadError(fmt::format("{}: not a llama2.c tokenizer: entry {} of {} is \"{}\" but byte-fallback entries "
+                                  "3..258 must be \"<0x00>\"..\"<0xFF>\" (expected \"{}\")",
                                   path, i, vocab_size, *bytes, BytePiece(i - kFirstByteToken)));
     }
     pieces.emplace_back(*bytes);

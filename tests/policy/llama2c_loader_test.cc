@@ -290,7 +290,9 @@ TEST_F(Llama2cFilesTest, CorruptTokenizersThrowLoadErrorNamingFileAndField) {
   WriteBytes(cut, tok512.substr(0, tok512.size() - 3));
   ExpectTokenizerError(cut, 512, {"entry 511 of 512 is truncated at field bytes"});
   WriteBytes(cut, tok512.substr(0, 2));
-  ExpectTokenizerError(cut, 512, {"max_token_length"});
+  ExpectTokenizerError(cut, 512, {"not a llama2.c tokenizer", "max_token_length"});
+  // A file of another kind (the checkpoint passed as --tokenizer) says so, not only which field.
+  ExpectTokenizerError(StoriesPath(), 512, {"not a llama2.c tokenizer", "entry 2 of 512"});
 
   std::vector<RawEntry> entries = ByteLevelEntries();
   entries[5].len = -1;
