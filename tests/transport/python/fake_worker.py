@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import struct
 import threading
+import time
 from typing import Any, Dict, List, Optional, Tuple
 
 import msgpack
@@ -60,6 +61,9 @@ class FakeWorker:
       hang_after_accept: answer generate with ``accepted`` only, never with its samples (a hung
         engine).
       reverse: hold samples until the socket is idle, then send them newest first.
+      delay_with_probes_s: hold each accepted request's samples this long (a request waiting on
+        a min_policy_version), sending its client a liveness probe (a health reply with an empty
+        id, as the worker's heartbeat_ms probe) every 0.1 s meanwhile.
       fail_verify: commit answers ``update_failed`` (as a real checksum mismatch would).
       bad_checksum: the applied ack reports a wrong weights_checksum.
     curve_secret_key (constructor): serve with CURVE on (any client key is admitted).
@@ -79,6 +83,8 @@ class FakeWorker:
         self.silent = False
         self.hang_after_accept = False
         self.reverse = False
+        self.delay_with_probes_s = 0.0
+        self.num_probes_sent = 0
         self.fail_verify = False
         self.bad_checksum = False
         self.version = 0
@@ -87,6 +93,8 @@ class FakeWorker:
         self._update: Optional[Dict[str, Any]] = None
         self._held: List[List[bytes]] = []
         self._running: List[Tuple[bytes, List[Dict[str, Any]]]] = []  # (peer, sample replies)
+        self._delayed: List[Tuple[float, bytes, List[Dict[str, Any]]]] = []  # (release at, peer, samples)
+        self._next_probe = 0.0
         self._stop = threading.Event()
         self._ready = threading.Event()
         self.endpoint = ""
@@ -119,7 +127,19 @@ class FakeWorker:
         self._ready.set()
         try:
             while not self._stop.is_set():
-                if not sock.poll(1 if self._running else 20):
+                if self._delayed:
+                    now = time.monotonic()
+                    if now >= self._next_probe:
+                        for peer in {d[1] for d in self._delayed}:
+                            probe = self._handle({"type": "health", "id": ""}, [])[0]
+                            sock.send_multipart([peer, msgpack.packb(probe, use_bin_type=True)])
+                            self.num_probes_sent += 1
+                        self._next_probe = now + 0.1
+                    for d in [d for d in self._delayed if d[0] <= now]:
+                        self._delayed.remove(d)
+                        for reply in d[2]:
+                            sock.send_multipart([d[1], msgpack.packb(reply, use_bin_type=True)])
+                if not sock.poll(1 if self._running else 10 if self._delayed else 20):
                     if self._running:
                         peer, samples = self._running.pop(0)
                         for reply in samples:
@@ -134,6 +154,9 @@ class FakeWorker:
                 replies = self._handle(header, payload)
                 if self.max_pending > 0 and replies and replies[0]["type"] == "accepted":
                     self._running.append((peer, replies[1:]))
+                    replies = replies[:1]
+                elif self.delay_with_probes_s > 0 and replies and replies[0]["type"] == "accepted":
+                    self._delayed.append((time.monotonic() + self.delay_with_probes_s, peer, replies[1:]))
                     replies = replies[:1]
                 for reply in replies:
                     out = [peer, msgpack.packb(reply, use_bin_type=True)]

@@ -138,6 +138,21 @@ class GenerateTest(FakeWorkerTestCase):
         finally:
             client.close(linger_ms=0)
 
+    def test_a_worker_that_holds_requests_and_sends_liveness_probes_is_not_silent(self):
+        # Requests waiting on a min_policy_version can wait longer than timeout_s; the worker's
+        # liveness probes (every --heartbeat-ms) show it is alive, so the client keeps waiting.
+        slow = self.workers[0]
+        slow.delay_with_probes_s = 1.5
+        client = VrollClient(slow.endpoint, timeout_s=0.5)
+        try:
+            outs = client.generate([[3], [5]], SamplingParams(max_tokens=3))
+            self.assertEqual([o.outputs[0].token_ids for o in outs],
+                             [expected_tokens([3], 0, 3, VOCAB), expected_tokens([5], 0, 3, VOCAB)])
+            self.assertGreaterEqual(slow.num_probes_sent, 5)
+        finally:
+            client.close(linger_ms=0)
+            slow.delay_with_probes_s = 0.0
+
     def test_requests_of_a_silent_worker_are_aborted_on_it(self):
         # The worker accepted the requests and then hung: they still hold its pending slots.
         hung = self.workers[0]

@@ -566,6 +566,11 @@ class VrollClient:
         """Applies one reply to the generate state; returns 1 when it completed a request."""
         request = in_flight.get(header.get("id"))
         if request is None or request.worker is not w:
+            if header.get("type") == "health" and not header.get("id"):
+                # The worker's liveness probe (every --heartbeat-ms while it holds requests of
+                # this client): it is alive, not silent, e.g. while requests wait on a
+                # min_policy_version longer than timeout_s.
+                w.last_heard = time.monotonic()
             self._drop(w, header)
             return 0
         now = time.monotonic()
