@@ -718,6 +718,13 @@ struct WorkerServer::Impl {
       update.reset();
     }
     if (update) {
+      if (update->phase == OpenUpdate::Phase::kApplying) {
+        SendError(peer, m.id, ErrorCode::kBusy, "",
+                  fmt::format("update '{}' (version {}) is being applied (waiting for the engine's safe point); "
+                              "it can no longer be aborted: retry once it is applied",
+                              update->update_id, update->version));
+        return;
+      }
       if (update->phase != OpenUpdate::Phase::kPoisoned) {
         SendError(peer, m.id, ErrorCode::kBusy, "",
                   fmt::format("update '{}' (version {}) is open; abort it or wait for it to finish or time out "
