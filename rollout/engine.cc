@@ -201,6 +201,8 @@ void Engine::DrainInbox() {
 }
 
 void Engine::Emit(std::vector<SampleResult> results) {
+  std::vector<std::pair<ResultCallback, SampleResult>> deliveries;
+  deliveries.reserve(results.size());
   for (SampleResult& r : results) {
     // No output token to tag (a stop token not included, an abort before the first token): the
     // sample finished under the version in use now, not under "version 0".
@@ -220,7 +222,13 @@ void Engine::Emit(std::vector<SampleResult> results) {
       pending_ids_.erase(id);
       --num_pending_;
     }
-    if (callback) callback(std::move(r));
+    deliveries.emplace_back(std::move(callback), std::move(r));
+  }
+  // A caller that asks for stats() once it has its samples must find them counted (finished, no
+  // longer running): publish before delivering.
+  PublishStats();
+  for (auto& [callback, result] : deliveries) {
+    if (callback) callback(std::move(result));
   }
 }
 
@@ -253,7 +261,6 @@ bool Engine::Step() {
   counters_.sample_seconds += seconds_since(mark);
   std::vector<SampleResult> finished = scheduler_->Commit(plan, targets, choices, version);
   (void)kv_->ReclaimRetired(64);
-  Emit(std::move(finished));
   counters_.commit_seconds += seconds_since(mark);
 
   ++counters_.num_steps;
@@ -265,7 +272,7 @@ bool Engine::Step() {
     counters_.decode_seconds += step_seconds;
     counters_.num_decode_tokens += static_cast<int64_t>(targets.size());
   }
-  PublishStats();
+  Emit(std::move(finished));  // publishes the step's stats, then delivers the finished samples
   return true;
 }
 

@@ -115,7 +115,7 @@ struct EngineStats {
   double schedule_seconds = 0;      ///<   scheduling (block tables, preemption, admission)
   double forward_seconds = 0;       ///<   the model's forward pass (incl. copy-on-write copies)
   double sample_seconds = 0;        ///<   sampling (softmax, logprobs, draws)
-  double commit_seconds = 0;        ///<   appending tokens, prefix-cache inserts, finishing, emitting
+  double commit_seconds = 0;        ///<   appending tokens, prefix-cache inserts, finishing (not delivering results)
   double tokens_per_second = 0;     ///< generated tokens / busy seconds
   /// Decode-only steps (no prompt or recompute token computed): their time, included in
   /// busy_seconds, and the tokens they generated (one per running sequence each).

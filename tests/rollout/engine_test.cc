@@ -5,10 +5,12 @@
 #include <algorithm>
 #include <future>
 #include <map>
+#include <mutex>
 #include <random>
 #include <set>
 #include <thread>
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include "policy/default_model.h"
@@ -292,6 +294,37 @@ TEST(EngineTest, AbortAndStopGiveEveryAcceptedSampleOneResult) {
   }
   e.Stop();
   EXPECT_EQ(results.size(), 5u);
+}
+
+// A caller that reads stats() when a sample reaches it finds that sample counted: finished, and
+// not running once its request is over (the stats were published after the deliveries before).
+TEST(EngineTest, StatsCountEverySampleByTheTimeItIsDelivered) {
+  Engine e(Default(), SmallConfig());
+  e.Start();
+  std::mutex mu;
+  std::vector<std::string> problems;
+  int64_t delivered = 0;
+  const int64_t before = e.stats().num_finished_samples;
+  auto check = [&](SampleResult r) {  // on the engine thread
+    const EngineStats stats = e.stats();
+    std::lock_guard<std::mutex> lock(mu);
+    ++delivered;
+    if (stats.num_finished_samples - before < delivered) {
+      problems.push_back(fmt::format("sample {}/{}: {} finished counted, {} delivered", r.request_id, r.sample_index,
+                                     stats.num_finished_samples - before, delivered));
+    }
+  };
+  for (int i = 0; i < 6; ++i) {
+    ASSERT_TRUE(e.Submit(MakeRequest("r" + std::to_string(i), {1, 2, 3 + i}, 5 + 3 * i, 1.0, 1 + i % 3), check).ok());
+  }
+  const std::vector<SampleResult> last = e.Generate({MakeRequest("last", {1, 9}, 30, 1.0, 2)});
+  const EngineStats after = e.stats();  // right after the last sample was delivered
+  e.Stop();
+  EXPECT_TRUE(problems.empty()) << problems.front();
+  EXPECT_EQ(delivered, 12);
+  EXPECT_EQ(after.num_finished_samples - before, 14);
+  EXPECT_EQ(after.num_running, 0);
+  EXPECT_EQ(after.num_waiting, 0);
 }
 
 TEST(EngineTest, InvalidRequestsAreRefusedNamingTheField) {
