@@ -169,7 +169,10 @@ class VrollClient:
             be on the worker's allow-list (its trainer list for updates and control).
           timeout_s: seconds a worker may stay silent while it owes a reply (also the longest a
             send may block). Bounds silence, not a whole call: a long generate is fine as long as
-            samples keep arriving; size it above the slowest single sample.
+            samples keep arriving; size it above the slowest single sample. The worker's liveness
+            probes (every ``--heartbeat-ms``, default 10 s, while it holds this client's requests)
+            count too, so requests waiting on a ``min_policy_version`` may wait longer than
+            timeout_s when ``--heartbeat-ms`` is below it.
           max_in_flight: unfinished samples (n per request) the client keeps at each worker; a
             request with n above it is still sent, alone.
           context: a zmq.Context to use (default: the process-wide instance).
