@@ -896,6 +896,55 @@ TEST(WorkerServerTest, ASecondUpdateWhileOneIsOpenIsBusy) {
   EXPECT_EQ(second->PushWeights(NewPolicy().weights, 2).version, 2u);
 }
 
+// An update waiting at the engine's safe point (here: draining 256 long samples) is past the
+// point of no return: another trainer's begin and its own trainer's abort are answered busy, the
+// begin saying that it is being applied and can no longer be aborted; then it applies.
+TEST(WorkerServerTest, AnUpdateBeingAppliedIsBusyForABeginAndCannotBeAborted) {
+  rollout::EngineConfig engine = SmallEngineConfig();
+  engine.kv_cache_bytes = int64_t{96} << 20;
+  engine.max_num_seqs = 256;
+  WorkerHarness worker(WorkerConfig{}, engine);
+  auto generating = Connect(worker.endpoint());
+  for (int i = 0; i < 8; ++i) {
+    generating->Send(GenerateMsg{fmt::format("g{}", i), MakeRequest(fmt::format("long{}", i), {1, 5 + i}, 240, 1.0, 32, i)});
+  }
+  (void)StatsWhen(*generating, [](const rollout::EngineStats& s) { return s.num_running == 256; });
+  const policy::WeightMap& weights = NewPolicy().weights;
+  auto trainer = Connect(worker.endpoint());
+  trainer->Send(FullBegin("begin", "one", weights, 1));  // mode drain
+  EXPECT_EQ(NextAs<UpdateAckMsg>(*trainer).stage, UpdateStage::kBegun);
+  for (const auto& [name, t] : weights) trainer->Send(UpdateChunkMsg{"chunk", "one", name, 0}, {BytesOf(t)});
+  trainer->Send(UpdateCommitMsg{"commit", "one", true});
+  // One connection's messages are handled in order: once health is answered, the commit was.
+  trainer->Send(ControlMsg{"h", ControlKind::kHealth});
+  const HealthMsg health = NextAs<HealthMsg>(*trainer);
+  ASSERT_EQ(health.policy_version, 0u) << "the drain ended before the test could look (too fast a machine?)";
+
+  auto other = Connect(worker.endpoint());
+  other->Send(FullBegin("begin2", "two", weights, 2));
+  const ErrorMsg busy = NextAs<ErrorMsg>(*other);
+  EXPECT_EQ(busy.code, ErrorCode::kBusy);
+  EXPECT_NE(busy.message.find("is being applied"), std::string::npos) << busy.message;
+  EXPECT_NE(busy.message.find("can no longer be aborted"), std::string::npos) << busy.message;
+  trainer->Send(UpdateAbortMsg{"abort", "one"});
+  const ErrorMsg refused = NextAs<ErrorMsg>(*trainer);
+  EXPECT_EQ(refused.code, ErrorCode::kBusy) << refused.message;
+
+  const UpdateAckMsg applied = NextAs<UpdateAckMsg>(*trainer);
+  EXPECT_EQ(applied.stage, UpdateStage::kApplied);
+  EXPECT_EQ(applied.version, 1u);
+  for (int i = 0; i < 256; ++i) {
+    WorkerMessage m = Next(*generating);
+    if (std::holds_alternative<AcceptedMsg>(m)) {
+      --i;
+      continue;
+    }
+    const auto* sample = std::get_if<SampleMsg>(&m);
+    ASSERT_NE(sample, nullptr) << TypeName(m);
+    EXPECT_EQ(sample->result.policy_version, 0u) << "drained samples finish under the old version";
+  }
+}
+
 // ---- Backpressure and control ------------------------------------------------------------------------
 
 TEST(WorkerServerTest, BeyondMaxPendingRequestsTheWorkerAnswersOverloaded) {
