@@ -138,17 +138,36 @@ class GenerateTest(FakeWorkerTestCase):
         finally:
             client.close(linger_ms=0)
 
-    def test_a_worker_that_holds_requests_and_sends_liveness_probes_is_not_silent(self):
-        # Requests waiting on a min_policy_version can wait longer than timeout_s; the worker's
-        # liveness probes (every --heartbeat-ms) show it is alive, so the client keeps waiting.
+    def test_requests_waiting_on_a_future_version_outwait_timeout_s_while_probes_come(self):
+        # Requests waiting on a min_policy_version above the worker's version make no progress by
+        # design and may wait longer than timeout_s: the worker's liveness probes (every
+        # --heartbeat-ms) show it is alive, so the client keeps waiting.
         slow = self.workers[0]
         slow.delay_with_probes_s = 1.5
         client = VrollClient(slow.endpoint, timeout_s=0.5)
         try:
-            outs = client.generate([[3], [5]], SamplingParams(max_tokens=3))
+            outs = client.generate([[3], [5]], SamplingParams(max_tokens=3), min_policy_version=1)
             self.assertEqual([o.outputs[0].token_ids for o in outs],
                              [expected_tokens([3], 0, 3, VOCAB), expected_tokens([5], 0, 3, VOCAB)])
             self.assertGreaterEqual(slow.num_probes_sent, 5)
+        finally:
+            client.close(linger_ms=0)
+            slow.delay_with_probes_s = 0.0
+
+    def test_probes_do_not_hide_a_worker_whose_runnable_requests_make_no_progress(self):
+        # The probes come from the worker's transport thread: they say the process is alive, not
+        # that its engine progresses (paused, stuck). Requests that could run must still answer
+        # within timeout_s.
+        slow = self.workers[0]
+        slow.delay_with_probes_s = 3.0
+        client = VrollClient(slow.endpoint, timeout_s=0.5)
+        try:
+            started = time.monotonic()
+            with self.assertRaises(VrollTimeoutError) as cm:
+                client.generate([[3]], SamplingParams(max_tokens=3))
+            self.assertEqual(cm.exception.worker, slow.endpoint)
+            self.assertLess(time.monotonic() - started, 2.5)
+            self.assertGreaterEqual(slow.num_probes_sent, 2)
         finally:
             client.close(linger_ms=0)
             slow.delay_with_probes_s = 0.0

@@ -169,10 +169,11 @@ class VrollClient:
             be on the worker's allow-list (its trainer list for updates and control).
           timeout_s: seconds a worker may stay silent while it owes a reply (also the longest a
             send may block). Bounds silence, not a whole call: a long generate is fine as long as
-            samples keep arriving; size it above the slowest single sample. The worker's liveness
-            probes (every ``--heartbeat-ms``, default 10 s, while it holds this client's requests)
-            count too, so requests waiting on a ``min_policy_version`` may wait longer than
-            timeout_s when ``--heartbeat-ms`` is below it.
+            samples keep arriving; size it above the slowest single sample. While every request
+            on a worker waits on a ``min_policy_version`` above its version, the worker's liveness
+            probes (every ``--heartbeat-ms``, default 10 s) count as replies, so such requests may
+            wait longer than timeout_s when ``--heartbeat-ms`` is below it; a paused or stuck
+            worker with requests that could run still times out.
           max_in_flight: unfinished samples (n per request) the client keeps at each worker; a
             request with n above it is still sent, alone.
           context: a zmq.Context to use (default: the process-wide instance).
@@ -571,9 +572,16 @@ class VrollClient:
         if request is None or request.worker is not w:
             if header.get("type") == "health" and not header.get("id"):
                 # The worker's liveness probe (every --heartbeat-ms while it holds requests of
-                # this client): it is alive, not silent, e.g. while requests wait on a
-                # min_policy_version longer than timeout_s.
-                w.last_heard = time.monotonic()
+                # this client) shows the process is alive, not that its engine progresses. It
+                # counts only while every request of ours on that worker waits on a
+                # min_policy_version above the worker's version (those make no progress by
+                # design, e.g. the next version's rollouts queued during a training step longer
+                # than timeout_s); a request that could run must answer within timeout_s, so a
+                # paused or stuck engine is still noticed.
+                version = header.get("policy_version", 0)
+                mine = [r for r in in_flight.values() if r.worker is w]
+                if mine and all(r.header.get("min_policy_version", 0) > version for r in mine):
+                    w.last_heard = time.monotonic()
             self._drop(w, header)
             return 0
         now = time.monotonic()
