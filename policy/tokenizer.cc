@@ -127,6 +127,13 @@ Tokenizer Tokenizer::LoadLlama2c(const std::string& path, int vocab_size) {
   }
   Logger("policy").info("loaded tokenizer {}: vocab_size={} max_token_length={} ({} of {} bytes used)", path,
                         vocab_size, max_token_length, reader.offset(), data.size());
+  if (reader.offset() < data.size()) {
+    // llama2.c reads vocab_size entries and ignores the rest; a tokenizer of a larger vocabulary
+    // (or another file appended) loads the same way, so say so.
+    Logger("policy").warn("tokenizer {}: {} bytes follow the model's {} entries and are ignored (the tokenizer of a "
+                          "larger vocabulary?)",
+                          path, data.size() - reader.offset(), vocab_size);
+  }
   return Tokenizer(std::move(pieces), std::move(scores), static_cast<int>(max_token_length));
 }
 

@@ -49,7 +49,7 @@ struct EngineConfig {
   /// weights, allocated at construction. Off (vroll-worker --no-spare-weights): updates are
   /// copied into the model and its GEMM weights repacked at the safe point (a stall of about one
   /// pass over the weights), the engine's stagings release their buffers after each update, and
-  /// the weights take 2x their fp32 size between updates (fp32 + packed), 3x during one, instead
+  /// the weights take ~2x their fp32 size between updates (fp32 + packed), ~3x during one, instead
   /// of 4x.
   bool swap_weight_buffers = true;
   /// See ModelRunnerConfig::prepack_weights (off: the safe point repacks every update).

@@ -31,4 +31,11 @@ if [ ! -f "$SHARED/models/stories260K.bin" ]; then echo "skipped: no $SHARED/mod
 if ! cmp "$out" "$SHARED/reference/stories260K_greedy_n200.txt"; then
   echo "output differs from the reference:"; diff "$out" "$SHARED/reference/stories260K_greedy_n200.txt"; exit 1
 fi
+# A tokenizer with bytes past the model's vocabulary (here tok512 twice) loads, with a warning.
+cat "$SHARED/models/tok512.bin" "$SHARED/models/tok512.bin" >"$out.tok"
+"$BIN" --model "$SHARED/models/stories260K.bin" --tokenizer "$out.tok" --max-new-tokens 2 >/dev/null 2>"$out.err" ||
+  { echo "a tokenizer with trailing bytes was refused:"; cat "$out.err"; rm -f "$out.tok" "$out.err"; exit 1; }
+grep -q "6227 bytes follow the model's 512 entries and are ignored" "$out.err" ||
+  { echo "no warning about the tokenizer's trailing bytes:"; cat "$out.err"; rm -f "$out.tok" "$out.err"; exit 1; }
+rm -f "$out.tok" "$out.err"
 echo "vroll-generate matches the reference byte for byte"
