@@ -2,6 +2,7 @@
 
 #include <atomic>
 #include <new>
+#include <string>
 
 namespace vroll::policy {
 
@@ -17,6 +18,7 @@ namespace vroll::policy {
   }
 VROLL_DECLARE_XXH3(xxh3_sse2)
 VROLL_DECLARE_XXH3(xxh3_avx2)
+VROLL_DECLARE_XXH3(xxh3_avx512)
 #undef VROLL_DECLARE_XXH3
 
 namespace {
@@ -45,12 +47,28 @@ constexpr CodePath kAvx2{"avx2",
                          xxh3_avx2::Update,
                          xxh3_avx2::Digest,
                          xxh3_avx2::Hash};
+constexpr CodePath kAvx512{"avx512",
+                           xxh3_avx512::CreateState,
+                           xxh3_avx512::FreeState,
+                           xxh3_avx512::Reset,
+                           xxh3_avx512::Update,
+                           xxh3_avx512::Digest,
+                           xxh3_avx512::Hash};
 
-std::atomic<bool> force_sse2{false};
+// The fastest build this CPU runs (AVX-512F, else AVX2, else baseline), decided once.
+const CodePath& Best() {
+  static const CodePath& best = __builtin_cpu_supports("avx512f") ? kAvx512
+                                : __builtin_cpu_supports("avx2")  ? kAvx2
+                                                                  : kSse2;
+  return best;
+}
+
+// Set by tests (detail::ForceXxh3CodePathForTesting); null: Best().
+std::atomic<const CodePath*> forced{nullptr};
 
 const CodePath& Chosen() {
-  static const bool avx2 = __builtin_cpu_supports("avx2");
-  return avx2 && !force_sse2.load(std::memory_order_relaxed) ? kAvx2 : kSse2;
+  const CodePath* path = forced.load(std::memory_order_relaxed);
+  return path != nullptr ? *path : Best();
 }
 
 // A stream keeps the path it was created with (its state belongs to that build).
@@ -99,6 +117,18 @@ uint64_t Xxh3Stream::Digest() const {
 
 const char* Xxh3CodePath() { return Chosen().name; }
 
-void detail::ForceXxh3Sse2ForTesting(bool force) { force_sse2.store(force); }
+bool detail::ForceXxh3CodePathForTesting(const std::string& name) {
+  if (name.empty()) {
+    forced.store(nullptr);
+    return true;
+  }
+  const CodePath* path = name == "sse2"                                             ? &kSse2
+                         : name == "avx2" && __builtin_cpu_supports("avx2")         ? &kAvx2
+                         : name == "avx512" && __builtin_cpu_supports("avx512f")    ? &kAvx512
+                                                                                    : nullptr;
+  if (path == nullptr) return false;
+  forced.store(path);
+  return true;
+}
 
 }  // namespace vroll::policy

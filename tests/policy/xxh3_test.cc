@@ -16,10 +16,13 @@
 namespace vroll::policy {
 namespace {
 
-class Xxh3Test : public ::testing::TestWithParam<bool> {  // param: force the SSE2 build
+class Xxh3Test : public ::testing::TestWithParam<std::string> {  // param: the build to force
  protected:
-  void SetUp() override { detail::ForceXxh3Sse2ForTesting(GetParam()); }
-  void TearDown() override { detail::ForceXxh3Sse2ForTesting(false); }
+  void SetUp() override {
+    if (!detail::ForceXxh3CodePathForTesting(GetParam())) GTEST_SKIP() << "this CPU cannot run " << GetParam();
+    ASSERT_EQ(std::string(Xxh3CodePath()), GetParam());
+  }
+  void TearDown() override { detail::ForceXxh3CodePathForTesting(""); }
 };
 
 std::vector<uint8_t> RandomBytes(size_t n, uint32_t seed) {
@@ -30,8 +33,6 @@ std::vector<uint8_t> RandomBytes(size_t n, uint32_t seed) {
 }
 
 TEST_P(Xxh3Test, OneShotEqualsLibxxhash) {
-  if (!GetParam() && std::string(Xxh3CodePath()) != "avx2") GTEST_SKIP() << "this CPU has no AVX2";
-  EXPECT_EQ(std::string(Xxh3CodePath()), GetParam() ? "sse2" : "avx2");
   const std::vector<uint8_t> data = RandomBytes(70000, 1);
   std::vector<size_t> sizes;
   for (size_t n = 0; n <= 300; ++n) sizes.push_back(n);
@@ -62,8 +63,18 @@ TEST_P(Xxh3Test, StreamCutAnywhereEqualsLibxxhash) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(CodePaths, Xxh3Test, ::testing::Values(false, true),
-                         [](const ::testing::TestParamInfo<bool>& info) { return info.param ? "Sse2" : "CpuChoice"; });
+INSTANTIATE_TEST_SUITE_P(CodePaths, Xxh3Test, ::testing::Values("sse2", "avx2", "avx512"),
+                         [](const ::testing::TestParamInfo<std::string>& info) { return info.param; });
+
+// The CPU's choice is its widest build, and an unknown name changes nothing.
+TEST(Xxh3CodePathTest, TheCpuChoiceIsItsWidestBuild) {
+  const std::string expected = __builtin_cpu_supports("avx512f") ? "avx512"
+                               : __builtin_cpu_supports("avx2")  ? "avx2"
+                                                                 : "sse2";
+  EXPECT_EQ(std::string(Xxh3CodePath()), expected);
+  EXPECT_FALSE(detail::ForceXxh3CodePathForTesting("avx1024"));
+  EXPECT_EQ(std::string(Xxh3CodePath()), expected);
+}
 
 }  // namespace
 }  // namespace vroll::policy
