@@ -58,7 +58,9 @@ int main(int argc, char** argv) {
       ->check(CLI::ExistingFile);
   app.add_option("--endpoint", worker_config.endpoint, "tcp://HOST:PORT (tcp://127.0.0.1:* picks a port) or ipc://PATH")
       ->capture_default_str();
-  app.add_option("--kv-cache-mb", kv_cache_mb, "KV cache budget, MiB")->capture_default_str()->check(vroll::examples::IntAtLeast(1));
+  app.add_option("--kv-cache-mb", kv_cache_mb,
+                 "KV cache budget, MiB (sequences are capped at what it holds for one sequence, with a warning, when "
+                 "that is less than the model's context)")->capture_default_str()->check(vroll::examples::IntAtLeast(1));
   app.add_option("--max-num-seqs", engine_config.max_num_seqs, "sequences running at once (and the largest n)")
       ->capture_default_str()->check(vroll::examples::IntAtLeast(1));
   app.add_option("--max-num-batched-tokens", engine_config.max_num_batched_tokens, "tokens computed per step")

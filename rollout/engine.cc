@@ -75,12 +75,36 @@ Engine::Engine(const policy::Checkpoint& checkpoint, const EngineConfig& config)
   kv_config.block_size = config_.block_size;
   kv_config.enable_prefix_caching = config_.enable_prefix_caching;
   kv_config.watermark_blocks = config_.watermark_blocks >= 0 ? config_.watermark_blocks : num_blocks / 100;
+  // The longest sequence the engine runs. A sequence is (re)admitted with the KV of all its tokens
+  // (a preempted one recomputes prompt + output), which needs blocks beyond the watermark; one
+  // longer than that could never be admitted, even alone, and would wait forever at the head of
+  // the queue. So the context is capped at what the cache holds for one sequence (vLLM refuses
+  // to start instead; here a small cache stays usable for shorter sequences).
+  num_kv_blocks_ = num_blocks;
+  const int64_t cache_tokens = int64_t{num_blocks - std::max(kv_config.watermark_blocks, 0)} * config_.block_size;
+  max_model_len_ = static_cast<int>(std::min<int64_t>(model_config_.max_seq_len, cache_tokens));
+  if (max_model_len_ < model_config_.max_seq_len) {
+    // Blocks for one full-context sequence plus the watermark (by default 1% of all blocks).
+    const int64_t sequence_blocks = (int64_t{model_config_.max_seq_len} + config_.block_size - 1) / config_.block_size;
+    int64_t blocks_needed = sequence_blocks;
+    while (blocks_needed - (config_.watermark_blocks >= 0 ? config_.watermark_blocks : blocks_needed / 100) <
+           sequence_blocks) {
+      ++blocks_needed;
+    }
+    Logger("rollout").warn(
+        "engine: the KV cache ({} blocks x {} tokens, {} kept free as the watermark) holds {} tokens of one sequence, "
+        "less than the model's context of {}: sequences are capped at {} tokens (prompts must be shorter; "
+        "generation ends with finish reason length there). The full context needs kv_cache_bytes >= {} "
+        "(vroll-worker --kv-cache-mb {})",
+        num_blocks, config_.block_size, kv_config.watermark_blocks, cache_tokens, model_config_.max_seq_len,
+        max_model_len_, blocks_needed * bytes_per_block, (blocks_needed * bytes_per_block + 1048575) / 1048576);
+  }
   kv_config.bytes_per_block = bytes_per_block;
   kv_ = std::make_unique<cache::KvCacheManager>(kv_config);
   SchedulerConfig sched;
   sched.max_num_seqs = config_.max_num_seqs;
   sched.max_num_batched_tokens = config_.max_num_batched_tokens;
-  sched.max_model_len = model_config_.max_seq_len;
+  sched.max_model_len = max_model_len_;
   scheduler_ = std::make_unique<Scheduler>(sched, kv_.get());
   param_specs_ = runner_->ParamSpecs();
   counters_.num_blocks = num_blocks;
@@ -124,6 +148,17 @@ void Engine::AbortAll() {
   for (const std::string& id : ids) Emit(scheduler_->AbortRequest(id, FinishReason::kAborted));
 }
 
+std::string Engine::ContextMessage(size_t num_prompt_tokens) const {
+  if (max_model_len_ == model_config_.max_seq_len) {
+    return fmt::format("prompt has {} tokens; the model's context is {} (at least one must be generated)",
+                       num_prompt_tokens, max_model_len_);
+  }
+  return fmt::format("prompt has {} tokens; the context is {} (at least one must be generated): the model's {}, "
+                     "capped by the KV cache, which holds {} blocks of {} tokens",
+                     num_prompt_tokens, max_model_len_, model_config_.max_seq_len, num_kv_blocks_,
+                     config_.block_size);
+}
+
 SubmitStatus Engine::Validate(const Request& r) const {
   auto invalid = [](std::string msg) { return SubmitStatus{SubmitStatus::Code::kInvalid, std::move(msg)}; };
   if (r.request_id.empty()) return invalid("request_id is empty");
@@ -134,9 +169,8 @@ SubmitStatus Engine::Validate(const Request& r) const {
       return invalid(fmt::format("prompt[{}] = {} outside the vocabulary [0, {})", i, r.prompt[i], vocab));
     }
   }
-  if (static_cast<int>(r.prompt.size()) >= model_config_.max_seq_len) {
-    return invalid(fmt::format("prompt has {} tokens; the model's context is {} (at least one must be generated)",
-                               r.prompt.size(), model_config_.max_seq_len));
+  if (static_cast<int>(r.prompt.size()) >= max_model_len_) {
+    return invalid(ContextMessage(r.prompt.size()));
   }
   if (r.n < 1 || r.n > config_.max_num_seqs) {
     return invalid(fmt::format("n = {} must be in [1, max_num_seqs = {}]", r.n, config_.max_num_seqs));

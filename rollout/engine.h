@@ -200,6 +200,13 @@ class Engine {
   EngineStats stats() const;
   PolicyVersion policy_version() const { return version_.load(); }
   const policy::ModelConfig& model_config() const { return model_config_; }
+  /// The longest sequence (prompt + output, tokens) the engine runs: the model's context
+  /// (max_seq_len), or less when the KV cache cannot hold that many tokens of one sequence beyond
+  /// the watermark (then the constructor logs a warning naming the cache size needed). Prompts
+  /// must be shorter; generation ends with FinishReason::kLength when a sequence reaches it.
+  int max_model_len() const { return max_model_len_; }
+  /// The error for a prompt of `num_prompt_tokens` >= max_model_len() (names the cap's cause).
+  std::string ContextMessage(size_t num_prompt_tokens) const;
 
  private:
   struct PendingUpdate {
@@ -225,6 +232,8 @@ class Engine {
   // Immutable after construction.
   const EngineConfig config_;
   policy::ModelConfig model_config_;
+  int max_model_len_ = 0;  // see max_model_len()
+  int num_kv_blocks_ = 0;
   std::vector<policy::ParamSpec> param_specs_;
 
   // Engine thread only.

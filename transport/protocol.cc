@@ -411,6 +411,7 @@ HealthMsg ParseHealth(const MapReader& m, std::string id) {
   h.model.max_seq_len = model.I32("max_seq_len");
   h.model.dim = model.I32("dim");
   h.model.n_layers = model.I32("n_layers");
+  h.model.max_model_len = model.OptI32("max_model_len", h.model.max_seq_len, 0);
   h.protocol_version = m.I32("protocol_version");
   return h;
 }
@@ -789,6 +790,7 @@ struct WorkerEncoder {
     model.Int("max_seq_len", m.model.max_seq_len);
     model.Int("dim", m.model.dim);
     model.Int("n_layers", m.model.n_layers);
+    model.Int("max_model_len", m.model.max_model_len);
     w.Map("model", model);
     w.Int("protocol_version", m.protocol_version);
     return w.Finish();

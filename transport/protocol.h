@@ -185,9 +185,13 @@ struct StatsMsg {
 /// The model summary in a "health" reply.
 struct ModelInfo {
   int vocab_size = 0;
-  int max_seq_len = 0;
+  int max_seq_len = 0;    ///< the model's context (tokens)
   int dim = 0;
   int n_layers = 0;
+  /// The longest sequence (prompt + output, tokens) the worker runs: max_seq_len, or less when
+  /// its KV cache cannot hold a full-context sequence (rollout::Engine::max_model_len). Replies
+  /// without the field (older workers) read as max_seq_len.
+  int max_model_len = 0;
 };
 
 /// "health".

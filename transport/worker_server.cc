@@ -267,9 +267,11 @@ struct WorkerServer::Impl {
     }
     bound_endpoint = router.get(zmq::sockopt::last_endpoint);
     const policy::ModelConfig& m = engine.model_config();
-    log.info("worker listening on {} ({}); model vocab {}, context {}, {} parameters; policy version {}",
-             bound_endpoint, config.ToString(), m.vocab_size, m.max_seq_len, engine.param_specs().size(),
-             engine.policy_version());
+    log.info("worker listening on {} ({}); model vocab {}, context {}{}, {} parameters; policy version {}",
+             bound_endpoint, config.ToString(), m.vocab_size, m.max_seq_len,
+             engine.max_model_len() < m.max_seq_len ? fmt::format(" (capped at {} by the KV cache)", engine.max_model_len())
+                                                    : std::string(),
+             engine.param_specs().size(), engine.policy_version());
     const bool loopback = bound_endpoint.rfind("tcp://127.", 0) == 0 || bound_endpoint.rfind("tcp://[::1]", 0) == 0 ||
                           bound_endpoint.rfind("ipc://", 0) == 0 || bound_endpoint.rfind("inproc://", 0) == 0;
     if (!loopback && !config.curve.enabled()) {
@@ -448,7 +450,8 @@ struct WorkerServer::Impl {
   HealthMsg MakeHealth(const std::string& id) const {
     const policy::ModelConfig& model = engine.model_config();
     return HealthMsg{id, !shutting_down, engine.policy_version(),
-                     ModelInfo{model.vocab_size, model.max_seq_len, model.dim, model.n_layers}, kProtocolVersion};
+                     ModelInfo{model.vocab_size, model.max_seq_len, model.dim, model.n_layers, engine.max_model_len()},
+                     kProtocolVersion};
   }
 
   /// A send found `peer`'s connection gone (closed, crashed, or replaced by a reconnect under a
@@ -593,10 +596,8 @@ struct WorkerServer::Impl {
         return;
       }
     }
-    if (static_cast<int64_t>(r.prompt.size()) >= model.max_seq_len) {
-      SendError(peer, m.id, ErrorCode::kBadField, "prompt",
-                fmt::format("prompt has {} tokens; the model's context is {} (at least one must be generated)",
-                            r.prompt.size(), model.max_seq_len));
+    if (static_cast<int64_t>(r.prompt.size()) >= engine.max_model_len()) {
+      SendError(peer, m.id, ErrorCode::kBadField, "prompt", engine.ContextMessage(r.prompt.size()));
       return;
     }
     const std::vector<policy::TokenId>& stops = r.sampling.stop_token_ids;

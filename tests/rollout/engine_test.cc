@@ -13,6 +13,7 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
+#include "cache/block_pool.h"
 #include "policy/default_model.h"
 #include "policy/llama2c_loader.h"
 #include "rollout/engine.h"
@@ -158,6 +159,56 @@ TEST(EngineTest, PreemptionUnderATinyBlockBudgetCompletesEveryRequestWithTheSame
   int preempted_samples = 0;
   for (const SampleResult& r : got) preempted_samples += r.num_preemptions > 0;
   EXPECT_GT(preempted_samples, 0);
+}
+
+// A KV cache that cannot hold one sequence of the model's full context: before the cap, a
+// request longer than the cache was accepted, preempted itself when the blocks ran out, could
+// never be readmitted, and held up every request queued behind it forever. Now the context is
+// capped at what the cache holds (beyond the watermark): longer prompts are refused naming the
+// cache, and generation ends with `length` there, with the tokens of an unconstrained engine.
+TEST(EngineTest, AKvCacheSmallerThanTheContextCapsSequencesInsteadOfStallingTheQueue) {
+  VROLL_REQUIRE_SHARED();
+  const policy::ModelConfig& m = Stories().config;
+  EngineConfig tiny = SmallConfig();
+  tiny.block_size = 16;
+  tiny.watermark_blocks = 0;
+  tiny.kv_cache_bytes = 8 * cache::KvBytesPerBlock(m.n_layers, m.n_kv_heads, m.head_dim(), 16, sizeof(float));
+  Engine e(Stories(), tiny);
+  ASSERT_EQ(m.max_seq_len, 512);
+  EXPECT_EQ(e.max_model_len(), 8 * 16);
+
+  std::mt19937 rng(11);
+  SubmitStatus s = e.Submit(MakeRequest("too_long", RandomPrompt(rng, 128, 512), 5), nullptr);
+  EXPECT_EQ(s.code, SubmitStatus::Code::kInvalid);
+  EXPECT_NE(s.error.find("capped by the KV cache"), std::string::npos) << s.error;
+  EXPECT_NE(s.error.find("the context is 128"), std::string::npos) << s.error;
+
+  // 100 + 100 tokens do not fit in 128 slots; the short request queued behind it must still run.
+  const Request long_request = MakeRequest("long", RandomPrompt(rng, 100, 512), 100);
+  const Request short_request = MakeRequest("short", RandomPrompt(rng, 3, 512), 5);
+  std::map<std::string, SampleResult> got;
+  for (const Request& r : {long_request, short_request}) {
+    ASSERT_TRUE(e.Submit(r, [&](SampleResult result) { got[result.request_id] = std::move(result); }).ok());
+  }
+  for (int step = 0; step < 1000 && got.size() < 2; ++step) e.Step();
+  ASSERT_EQ(got.size(), 2u) << "requests stalled: " << e.stats().num_waiting << " waiting";
+  EXPECT_EQ(got["long"].finish_reason, FinishReason::kLength);
+  EXPECT_EQ(got["long"].output_ids.size(), 28u);  // prompt + output = 128
+  EXPECT_EQ(got["short"].output_ids.size(), 5u);
+
+  // The oracle: the same greedy requests on a cache that holds everything, the long one asked
+  // for the 28 tokens it got.
+  Request long_28 = long_request;
+  long_28.sampling.max_new_tokens = 28;
+  Engine roomy(Stories(), SmallConfig());
+  EXPECT_EQ(roomy.max_model_len(), 512);
+  const std::vector<SampleResult> want = roomy.Generate({long_28, short_request});
+  EXPECT_EQ(got["long"].output_ids, want[0].output_ids);
+  EXPECT_EQ(got["short"].output_ids, want[1].output_ids);
+
+  // Blocks kept free as the watermark are not the sequence's to use.
+  tiny.watermark_blocks = 2;
+  EXPECT_EQ(Engine(Stories(), tiny).max_model_len(), 6 * 16);
 }
 
 TEST(EngineTest, StopTokensAndMaxNewTokensAreHonored) {

@@ -180,9 +180,24 @@ TEST(ProtocolTest, ReplyMessagesRoundTrip) {
   EXPECT_EQ(rst.stats.prefix_hit_rate, 0.75);
   EXPECT_EQ(rst.stats.policy_version, 3u);
 
-  const HealthMsg rh = RoundTripWorker(HealthMsg{"h", true, 5, {259, 256, 64, 4}, 1});
+  const HealthMsg rh = RoundTripWorker(HealthMsg{"h", true, 5, {259, 256, 64, 4, 200}, 1});
   EXPECT_EQ(rh.model.vocab_size, 259);
   EXPECT_EQ(rh.model.n_layers, 4);
+  EXPECT_EQ(rh.model.max_model_len, 200);
+  {  // a reply without max_model_len (an older worker) reads it as max_seq_len
+    const std::string old_reply = Header("health")
+                                      .Set("ok", Value::Bool(true))
+                                      .Set("policy_version", Value::Int(0))
+                                      .Set("protocol_version", Value::Int(1))
+                                      .Set("model", Value::Map({{"vocab_size", Value::Int(259)},
+                                                                {"max_seq_len", Value::Int(256)},
+                                                                {"dim", Value::Int(64)},
+                                                                {"n_layers", Value::Int(4)}}))
+                                      .Bytes();
+    const Decoded<WorkerMessage> d = DecodeWorkerMessage(old_reply.data(), old_reply.size());
+    ASSERT_TRUE(d.ok()) << d.error.message;
+    EXPECT_EQ(std::get<HealthMsg>(*d.message).model.max_model_len, 256);
+  }
   EXPECT_EQ(RoundTripWorker(AcceptedMsg{"g", "r", 6}).policy_version, 6u);
   EXPECT_EQ(RoundTripWorker(AbortAckMsg{"a", "r"}).request_id, "r");
   for (ControlKind k : {ControlKind::kPause, ControlKind::kResume, ControlKind::kFlushCache, ControlKind::kShutdown}) {

@@ -24,6 +24,7 @@
 
 #include <gtest/gtest.h>
 
+#include "cache/block_pool.h"
 #include "policy/default_model.h"
 #include "policy/errors.h"
 #include "policy/weight_update.h"
@@ -336,6 +337,33 @@ TEST(WorkerServerTest, ErrorsEchoTheRequestId) {
   EXPECT_EQ(e.field, "prompt[1]");
   EXPECT_NE(e.message.find("999"), std::string::npos) << e.message;
   EXPECT_NE(e.message.find("259"), std::string::npos) << e.message;
+}
+
+// A KV cache too small for the model's context: health reports the capped max_model_len, a
+// prompt at it is refused naming the field and the cache, and the queue does not stall (a
+// request longer than the cache used to be accepted and hold up the queue forever).
+TEST(WorkerServerTest, AKvCacheSmallerThanTheContextIsReportedAndEnforced) {
+  rollout::EngineConfig engine = SmallEngineConfig();
+  const policy::ModelConfig& m = DefaultCheckpoint().config;
+  engine.block_size = 16;
+  engine.watermark_blocks = 0;
+  engine.kv_cache_bytes = 4 * cache::KvBytesPerBlock(m.n_layers, m.n_kv_heads, m.head_dim(), 16, sizeof(float));
+  WorkerHarness worker(WorkerConfig{}, engine);
+  auto client = Connect(worker.endpoint());
+  const HealthMsg h = client->Health();
+  EXPECT_EQ(h.model.max_seq_len, 256);
+  EXPECT_EQ(h.model.max_model_len, 64);
+  client->Send(GenerateMsg{"at_cap", MakeRequest("at_cap", std::vector<policy::TokenId>(64, 5), 5)});
+  const ErrorMsg e = NextAs<ErrorMsg>(*client);
+  EXPECT_EQ(e.code, ErrorCode::kBadField);
+  EXPECT_EQ(e.field, "prompt");
+  EXPECT_NE(e.message.find("capped by the KV cache"), std::string::npos) << e.message;
+  const std::vector<SampleResult> got =
+      client->Generate({MakeRequest("long", std::vector<policy::TokenId>(40, 5), 100), MakeRequest("short", {1, 2}, 3)});
+  ASSERT_EQ(got.size(), 2u);
+  EXPECT_EQ(got[0].finish_reason, FinishReason::kLength);
+  EXPECT_EQ(got[0].output_ids.size(), 24u);  // prompt + output = 64
+  EXPECT_EQ(got[1].output_ids.size(), 3u);
 }
 
 // ---- Vanishing peers ---------------------------------------------------------------------------------
@@ -1025,6 +1053,7 @@ TEST(WorkerServerTest, HealthAndStatsDescribeTheEngine) {
   EXPECT_EQ(h.model.max_seq_len, 256);
   EXPECT_EQ(h.model.dim, 64);
   EXPECT_EQ(h.model.n_layers, 4);
+  EXPECT_EQ(h.model.max_model_len, 256);  // the cache holds the whole context
   // The engine publishes its counters after the step that emitted the sample: poll for them.
   const rollout::EngineStats s =
       StatsWhen(*client, [](const rollout::EngineStats& e) { return e.num_finished_samples >= 1; });

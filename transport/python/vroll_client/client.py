@@ -378,7 +378,8 @@ class VrollClient:
     def health(self, endpoints: Optional[Sequence[str]] = None,
                timeout_s: Optional[float] = None) -> Dict[str, Dict[str, Any]]:
         """{endpoint: health reply}: ``ok`` (bool), ``policy_version`` (int), ``model`` (map:
-        vocab_size, max_seq_len, dim, n_layers), ``protocol_version``.
+        vocab_size, max_seq_len, dim, n_layers, max_model_len: the longest prompt + output the
+        worker runs, max_seq_len or less when its KV cache is too small), ``protocol_version``.
 
         Args: endpoints: a subset of this client's (default all); timeout_s: overrides the
         client's for this call (a short one makes a liveness probe).
@@ -446,7 +447,8 @@ class VrollClient:
 
         Args:
           prompts: token-id lists (ints, numpy ints fine), each non-empty and shorter than the
-            model's max_seq_len.
+            worker's max_model_len (``health()``: the model's max_seq_len unless the worker's KV
+            cache is too small for it).
           sampling_params: one SamplingParams for all prompts, or one per prompt (default
             SamplingParams()).
           n: samples per prompt (a GRPO group), 1 <= n <= the worker's max_num_seqs.
