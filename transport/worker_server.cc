@@ -670,13 +670,24 @@ struct WorkerServer::Impl {
 
   // ---- Weight updates ---------------------------------------------------------------------------
 
-  /// The open update named `update_id`, or null after answering `unknown_update`. Refreshes its
-  /// timeout.
+  /// The open update named `update_id` when `peer` began it, or null after answering
+  /// `unknown_update`. Refreshes its timeout. An update belongs to the connection that began it:
+  /// another one (another trainer, or the same client after it reconnected) cannot chunk, commit,
+  /// apply or abort it, so one trainer cannot finish or discard another's transaction.
   OpenUpdate* FindUpdate(const std::string& peer, const std::string& id, const std::string& update_id) {
     if (!update || update->update_id != update_id) {
       SendError(peer, id, ErrorCode::kUnknownUpdate, "update_id",
                 update ? fmt::format("no open update '{}' (the open one is '{}')", update_id, update->update_id)
                        : fmt::format("no open update '{}' (never begun, finished, aborted or timed out)", update_id));
+      return nullptr;
+    }
+    if (update->owner != peer) {
+      log.warn("peer {} sent a message for update '{}', which peer {} began: refused", Hex(peer), update_id,
+               Hex(update->owner));
+      SendError(peer, id, ErrorCode::kUnknownUpdate, "update_id",
+                fmt::format("update '{}' was begun by another connection: only that connection may send its "
+                            "chunks, commit, apply or abort",
+                            update_id));
       return nullptr;
     }
     update->last_message = Clock::now();
@@ -728,8 +739,8 @@ struct WorkerServer::Impl {
       }
       if (update->phase != OpenUpdate::Phase::kPoisoned) {
         SendError(peer, m.id, ErrorCode::kBusy, "",
-                  fmt::format("update '{}' (version {}) is open; abort it or wait for it to finish or time out "
-                              "(update_timeout_ms = {})",
+                  fmt::format("update '{}' (version {}) is open; wait for it to finish or time out "
+                              "(update_timeout_ms = {}), or abort it from the connection that began it",
                               update->update_id, update->version, config.update_timeout_ms));
         return;
       }

@@ -924,6 +924,43 @@ TEST(WorkerServerTest, ASecondUpdateWhileOneIsOpenIsBusy) {
   EXPECT_EQ(second->PushWeights(NewPolicy().weights, 2).version, 2u);
 }
 
+// An update belongs to the connection that began it: another connection's chunk, commit, apply
+// or abort for it is refused (unknown_update, naming the other connection), changes nothing,
+// and the owner then completes it. (Before, any connection could abort or commit it, and the
+// owner was told unknown_update while its weights went live.)
+TEST(WorkerServerTest, OnlyTheConnectionThatBeganAnUpdateCanSendItsMessages) {
+  WorkerHarness worker;
+  const policy::WeightMap& weights = NewPolicy().weights;
+  auto owner = Connect(worker.endpoint());
+  auto other = Connect(worker.endpoint());
+  owner->Send(FullBegin("begin", "mine", weights, 1));
+  EXPECT_EQ(NextAs<UpdateAckMsg>(*owner).stage, UpdateStage::kBegun);
+  auto expect_refused = [&](const std::string& what) {
+    const ErrorMsg e = NextAs<ErrorMsg>(*other);
+    EXPECT_EQ(e.code, ErrorCode::kUnknownUpdate) << what;
+    EXPECT_EQ(e.field, "update_id") << what;
+    EXPECT_NE(e.message.find("another connection"), std::string::npos) << what << ": " << e.message;
+  };
+  other->Send(UpdateAbortMsg{"abort", "mine"});
+  expect_refused("abort");
+  const auto& [first_name, first_tensor] = *weights.begin();
+  other->Send(UpdateChunkMsg{"chunk", "mine", first_name, 0}, {BytesOf(first_tensor)});
+  expect_refused("chunk");
+  other->Send(UpdateCommitMsg{"commit", "mine", true});
+  expect_refused("commit");
+  other->Send(UpdateApplyMsg{"apply", "mine"});
+  expect_refused("apply");
+  EXPECT_EQ(other->Health().policy_version, 0u);
+  // The owner's transaction is intact: all its chunks (the refused one included) stage, verify
+  // and apply.
+  for (const auto& [name, t] : weights) owner->Send(UpdateChunkMsg{"chunk", "mine", name, 0}, {BytesOf(t)});
+  owner->Send(UpdateCommitMsg{"commit", "mine", true});
+  const UpdateAckMsg applied = NextAs<UpdateAckMsg>(*owner);
+  EXPECT_EQ(applied.stage, UpdateStage::kApplied);
+  EXPECT_EQ(applied.version, 1u);
+  EXPECT_EQ(applied.weights_checksum, policy::WeightsChecksum(weights));
+}
+
 // An update waiting at the engine's safe point (here: draining 256 long samples) is past the
 // point of no return: another trainer's begin and its own trainer's abort are answered busy, the
 // begin saying that it is being applied and can no longer be aborted; then it applies.
