@@ -1,5 +1,7 @@
 #include "transport/protocol.h"
 
+#include <algorithm>
+
 #include <cmath>
 #include <cstring>
 #include <exception>
@@ -138,9 +140,52 @@ bool ToBool(const msgpack::object& o, const std::string& field) {
   return o.via.boolean;
 }
 
+}  // namespace
+
+size_t FirstInvalidUtf8(std::string_view s) {
+  // RFC 3629, section 4: the well-formed sequences (no overlong forms, no surrogates
+  // U+D800..U+DFFF, nothing above U+10FFFF).
+  const auto* p = reinterpret_cast<const unsigned char*>(s.data());
+  const size_t n = s.size();
+  auto cont = [&](size_t i, unsigned char lo = 0x80, unsigned char hi = 0xBF) {
+    return i < n && p[i] >= lo && p[i] <= hi;
+  };
+  for (size_t i = 0; i < n;) {
+    const unsigned char c = p[i];
+    size_t len = 0;
+    if (c < 0x80) {
+      len = 1;
+    } else if (c >= 0xC2 && c <= 0xDF) {
+      len = cont(i + 1) ? 2 : 0;
+    } else if (c == 0xE0) {
+      len = cont(i + 1, 0xA0) && cont(i + 2) ? 3 : 0;
+    } else if (c == 0xED) {
+      len = cont(i + 1, 0x80, 0x9F) && cont(i + 2) ? 3 : 0;
+    } else if (c >= 0xE1 && c <= 0xEF) {
+      len = cont(i + 1) && cont(i + 2) ? 3 : 0;
+    } else if (c == 0xF0) {
+      len = cont(i + 1, 0x90) && cont(i + 2) && cont(i + 3) ? 4 : 0;
+    } else if (c >= 0xF1 && c <= 0xF3) {
+      len = cont(i + 1) && cont(i + 2) && cont(i + 3) ? 4 : 0;
+    } else if (c == 0xF4) {
+      len = cont(i + 1, 0x80, 0x8F) && cont(i + 2) && cont(i + 3) ? 4 : 0;
+    }
+    if (len == 0) return i;
+    i += len;
+  }
+  return std::string_view::npos;
+}
+
+namespace {
+
 std::string ToString(const msgpack::object& o, const std::string& field) {
   if (o.type != msgpack::type::STR) WrongType(field, "a string", o);
-  return std::string(o.via.str.ptr, o.via.str.size);
+  const std::string_view s(o.via.str.ptr, o.via.str.size);
+  if (const size_t bad = FirstInvalidUtf8(s); bad != std::string_view::npos) {
+    BadField(field, fmt::format("is not valid UTF-8 (byte {} of {}: 0x{:02x})", bad, s.size(),
+                                static_cast<unsigned char>(s[bad])));
+  }
+  return std::string(s);
 }
 
 const msgpack::object_array& ToArray(const msgpack::object& o, const std::string& field) {
@@ -149,13 +194,51 @@ const msgpack::object_array& ToArray(const msgpack::object& o, const std::string
 }
 
 /// A msgpack map with the path it sits at, for lookups that name the field when they fail.
-/// Keys that are not strings are ignored; with duplicate keys the first wins; nil counts as absent
-/// (so Python's None means "default").
+/// Keys that are not strings are ignored; a string key that appears twice is a bad_field (the
+/// message would mean different things to decoders that keep the first or the last); nil counts
+/// as absent (so Python's None means "default").
 class MapReader {
  public:
-  MapReader(const msgpack::object& o, std::string path) : path_(std::move(path)) {
+  /// check_unique false: the caller calls CheckUniqueKeys itself (after reading what it needs
+  /// for an error reply, e.g. the id).
+  MapReader(const msgpack::object& o, std::string path, bool check_unique = true) : path_(std::move(path)) {
     if (o.type != msgpack::type::MAP) WrongType(path_, "a map", o);
     map_ = &o.via.map;
+    if (check_unique) CheckUniqueKeys();
+  }
+
+  /// How many times the string key `key` appears.
+  int CountKey(std::string_view key) const {
+    int count = 0;
+    for (uint32_t i = 0; i < map_->size; ++i) {
+      const msgpack::object& k = map_->ptr[i].key;
+      count += k.type == msgpack::type::STR && std::string_view(k.via.str.ptr, k.via.str.size) == key;
+    }
+    return count;
+  }
+
+  /// The first string key (in sorted order) that appears more than once, or empty.
+  std::string_view DuplicateKey() const {
+    std::vector<std::string_view> keys;
+    keys.reserve(map_->size);
+    for (uint32_t i = 0; i < map_->size; ++i) {
+      const msgpack::object& k = map_->ptr[i].key;
+      if (k.type == msgpack::type::STR) keys.emplace_back(k.via.str.ptr, k.via.str.size);
+    }
+    std::sort(keys.begin(), keys.end());
+    const auto dup = std::adjacent_find(keys.begin(), keys.end());
+    return dup == keys.end() ? std::string_view() : *dup;
+  }
+
+  void CheckUniqueKeys() const {
+    if (map_->size < 2) return;
+    const std::string_view dup = DuplicateKey();
+    if (!dup.empty() || std::count_if(map_->ptr, map_->ptr + map_->size, [](const msgpack::object_kv& kv) {
+                          return kv.key.type == msgpack::type::STR && kv.key.via.str.size == 0;
+                        }) > 1) {
+      const std::string key = FirstInvalidUtf8(dup) == std::string_view::npos ? std::string(dup) : "(not UTF-8)";
+      BadField(Field(key), "appears more than once in the map");
+    }
   }
 
   const msgpack::object* Find(std::string_view key) const {
@@ -258,6 +341,12 @@ GenerateMsg ParseGenerate(const MapReader& m, std::string id) {
   r.n = m.OptI32("n", 1, 1);
   if (const msgpack::object* o = m.Find("sampling")) r.sampling = ParseSampling(MapReader(*o, "sampling"), r.seed);
   r.min_policy_version = m.OptU64("min_policy_version", 0);
+  if (r.min_policy_version == std::numeric_limits<uint64_t>::max()) {
+    // No update can bring the worker there (update_begin refuses that version): the request
+    // would wait forever and hold a pending slot.
+    BadField(m.Field("min_policy_version"),
+             fmt::format("= {} (2^64 - 1) is reserved: no update can reach it", r.min_policy_version));
+  }
   return msg;
 }
 
@@ -516,8 +605,9 @@ Decoded<Message> DecodeHeader(const void* data, size_t size, ParseBody parse_bod
     if (root.type != msgpack::type::MAP) {
       Fail(ErrorCode::kBadMessage, "", fmt::format("header must be a msgpack map, got {}", KindName(root)));
     }
-    const MapReader m(root, "");
-    id = m.OptStr("id");
+    const MapReader m(root, "", /*check_unique=*/false);
+    if (m.CountKey("id") < 2) id = m.OptStr("id");  // echoed in an error reply when unambiguous
+    m.CheckUniqueKeys();
     const msgpack::object* v = m.Find("v");
     if (v == nullptr) BadField("v", fmt::format("is missing (protocol version {})", kProtocolVersion));
     if (!((v->type == msgpack::type::POSITIVE_INTEGER && v->via.u64 == kProtocolVersion))) {

@@ -247,6 +247,11 @@ Decoded<ClientMessage> DecodeClientMessage(const void* data, size_t size);
 /// Decodes a header frame sent to a client; the same contract as DecodeClientMessage.
 Decoded<WorkerMessage> DecodeWorkerMessage(const void* data, size_t size);
 
+/// Offset of the first byte of `s` that does not start a well-formed UTF-8 sequence (RFC 3629,
+/// section 4: no overlong forms, surrogates or code points above U+10FFFF), or npos when `s` is
+/// valid UTF-8. Every msgpack str field is checked with it (bad_field "... is not valid UTF-8").
+size_t FirstInvalidUtf8(std::string_view s);
+
 /// Whether the frame count is right for `message`'s type: update_chunk carries exactly one raw
 /// frame after the header, every other message none.
 size_t NumPayloadFrames(const ClientMessage& message);

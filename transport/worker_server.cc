@@ -540,13 +540,7 @@ struct WorkerServer::Impl {
     }
     ClientMessage& message = *decoded.message;
     const std::string& id = MessageId(message);
-    const size_t num_payload = in.num_frames - 2;
-    if (num_payload != NumPayloadFrames(message)) {
-      SendError(peer, id, ErrorCode::kBadMessage, "",
-                fmt::format("{} carries {} frame(s) after the header, expected {}", TypeName(message), num_payload,
-                            NumPayloadFrames(message)));
-      return;
-    }
+    // A frame over the limit is too_large whatever the message (checked before the frame count).
     for (size_t i = 2; i < in.frames.size(); ++i) {
       if (in.frames[i].size() > static_cast<size_t>(config.max_message_bytes)) {
         SendError(peer, id, ErrorCode::kTooLarge, "",
@@ -554,6 +548,13 @@ struct WorkerServer::Impl {
                               config.max_message_bytes));
         return;
       }
+    }
+    const size_t num_payload = in.num_frames - 2;
+    if (num_payload != NumPayloadFrames(message)) {
+      SendError(peer, id, ErrorCode::kBadMessage, "",
+                fmt::format("{} carries {} frame(s) after the header, expected {}", TypeName(message), num_payload,
+                            NumPayloadFrames(message)));
+      return;
     }
     if (in.role != Role::kTrainer && NeedsTrainer(message)) {
       SendError(peer, id, ErrorCode::kUnauthorized, "",

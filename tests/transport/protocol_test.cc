@@ -5,6 +5,9 @@
 #include <cmath>
 #include <limits>
 #include <random>
+#include <string>
+
+#include <fmt/format.h>
 
 #include <gtest/gtest.h>
 
@@ -371,6 +374,30 @@ std::vector<BadCase> BadCases() {
       ErrorCode::kBadField, "offset");
   add("commit apply a string", Header("update_commit").Set("update_id", Value::Str("u")).Set("apply", Value::Str("no")),
       ErrorCode::kBadField, "apply");
+  add("min_policy_version 2^64-1 (reserved)",
+      GenerateHeader("r").Set("min_policy_version", Value::Uint(std::numeric_limits<uint64_t>::max())),
+      ErrorCode::kBadField, "min_policy_version");
+  // Duplicate keys: Python's msgpack keeps the last, this decoder used to keep the first.
+  v = Header("health");
+  v.entries.emplace_back("type", Value::Str("shutdown"));
+  add("type twice", v, ErrorCode::kBadField, "type");
+  v = GenerateHeader("r");
+  v.entries.emplace_back("request_id", Value::Str("r2"));
+  add("request_id twice", v, ErrorCode::kBadField, "request_id");
+  v = GenerateHeader("r");
+  v.At("sampling").Set("temperature", Value::Double(1.0));
+  v.At("sampling").entries.emplace_back("temperature", Value::Double(0.0));
+  add("sampling.temperature twice", v, ErrorCode::kBadField, "sampling.temperature");
+  v = ValidBegin();
+  v.At("tensors").items[0].entries.emplace_back("name", Value::Str("model.norm.weight"));
+  add("tensors[0].name twice", v, ErrorCode::kBadField, "tensors[0].name");
+  // Strings must be UTF-8 (replies echo them; Python's msgpack refuses to decode other bytes).
+  add("request_id not UTF-8", GenerateHeader("r").Set("request_id", Value::Str("\xc3\x28")), ErrorCode::kBadField,
+      "request_id");
+  add("id not UTF-8", Header("health").Set("id", Value::Str("\xff\xfe")), ErrorCode::kBadField, "id");
+  v = ValidBegin();
+  v.At("tensors").items[0].Set("name", Value::Str("model.\xed\xa0\x80"));  // a surrogate
+  add("tensors[0].name not UTF-8", v, ErrorCode::kBadField, "tensors[0].name");
   return cases;
 }
 
@@ -389,6 +416,98 @@ TEST(ProtocolTest, ErrorsEchoTheIdWhenItCouldBeRead) {
   Decoded<ClientMessage> d = DecodeClientMessage(bytes.data(), bytes.size());
   ASSERT_FALSE(d.ok());
   EXPECT_EQ(d.error.id, "my-id");
+  // A duplicated key other than id: the id is still echoed. A duplicated id: none is.
+  Value dup_type = Header("health").Set("id", Value::Str("mine"));
+  dup_type.entries.emplace_back("type", Value::Str("shutdown"));
+  const std::string b1 = dup_type.Bytes();
+  d = DecodeClientMessage(b1.data(), b1.size());
+  ASSERT_FALSE(d.ok());
+  EXPECT_EQ(d.error.id, "mine");
+  EXPECT_NE(d.error.message.find("appears more than once"), std::string::npos) << d.error.message;
+  Value dup_id = Header("health").Set("id", Value::Str("one"));
+  dup_id.entries.emplace_back("id", Value::Str("two"));
+  const std::string b2 = dup_id.Bytes();
+  d = DecodeClientMessage(b2.data(), b2.size());
+  ASSERT_FALSE(d.ok());
+  EXPECT_EQ(d.error.field, "id");
+  EXPECT_EQ(d.error.id, "");
+}
+
+// FirstInvalidUtf8 against a second formulation of well-formed UTF-8: a sequence is valid iff a
+// permissive decoder (any lead byte's payload bits, any continuation bytes) yields a code point
+// that is not a surrogate, is <= U+10FFFF, and whose shortest encoding is exactly those bytes.
+// Every string of 1 to 3 bytes, and 4-byte strings from a seeded generator.
+namespace utf8_oracle {
+std::string Encode(uint32_t cp) {
+  std::string out;
+  if (cp < 0x80) {
+    out += static_cast<char>(cp);
+  } else if (cp < 0x800) {
+    out += static_cast<char>(0xC0 | (cp >> 6));
+    out += static_cast<char>(0x80 | (cp & 0x3F));
+  } else if (cp < 0x10000) {
+    out += static_cast<char>(0xE0 | (cp >> 12));
+    out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
+    out += static_cast<char>(0x80 | (cp & 0x3F));
+  } else {
+    out += static_cast<char>(0xF0 | (cp >> 18));
+    out += static_cast<char>(0x80 | ((cp >> 12) & 0x3F));
+    out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
+    out += static_cast<char>(0x80 | (cp & 0x3F));
+  }
+  return out;
+}
+bool Valid(const std::string& s) {
+  for (size_t i = 0; i < s.size();) {
+    const auto c = static_cast<unsigned char>(s[i]);
+    const size_t len = c < 0x80 ? 1 : (c >> 5) == 0x6 ? 2 : (c >> 4) == 0xE ? 3 : (c >> 3) == 0x1E ? 4 : 0;
+    if (len == 0 || i + len > s.size()) return false;
+    uint32_t cp = len == 1 ? c : c & (0x7F >> len);
+    for (size_t k = 1; k < len; ++k) {
+      const auto cc = static_cast<unsigned char>(s[i + k]);
+      if ((cc >> 6) != 0x2) return false;
+      cp = (cp << 6) | (cc & 0x3F);
+    }
+    if ((cp >= 0xD800 && cp <= 0xDFFF) || cp > 0x10FFFF || Encode(cp) != s.substr(i, len)) return false;
+    i += len;
+  }
+  return true;
+}
+}  // namespace utf8_oracle
+
+TEST(ProtocolTest, Utf8CheckAgreesWithASecondDecoderOnEveryShortString) {
+  int64_t num_checked = 0, num_valid = 0;
+  std::string s;
+  auto check = [&] {
+    const bool valid = FirstInvalidUtf8(s) == std::string_view::npos;
+    ASSERT_EQ(valid, utf8_oracle::Valid(s)) << [&] {
+      std::string hex;
+      for (char c : s) hex += fmt::format("{:02x} ", static_cast<unsigned char>(c));
+      return hex;
+    }();
+    ++num_checked;
+    num_valid += valid;
+  };
+  for (int len = 1; len <= 3; ++len) {
+    for (uint32_t v = 0; v < (1u << (8 * len)); ++v) {
+      s.clear();
+      for (int k = len - 1; k >= 0; --k) s += static_cast<char>((v >> (8 * k)) & 0xFF);
+      check();
+      if (::testing::Test::HasFatalFailure()) return;
+    }
+  }
+  std::mt19937 rng(5);
+  for (int i = 0; i < 2000000; ++i) {  // 4 bytes, lead bytes F0-F7 and continuation bytes favored
+    s.clear();
+    s += static_cast<char>(0xF0 | (rng() & 7));
+    for (int k = 0; k < 3; ++k) s += static_cast<char>(rng() % 4 ? 0x80 | (rng() & 0x3F) : rng() & 0xFF);
+    check();
+    if (::testing::Test::HasFatalFailure()) return;
+  }
+  EXPECT_EQ(num_checked, 256 + 65536 + 16777216 + 2000000);
+  EXPECT_GT(num_valid, 0);
+  EXPECT_EQ(FirstInvalidUtf8("ok \xe2\x82\xac then \xc0\x80"), 12u);  // the overlong NUL at byte 12
+  EXPECT_EQ(FirstInvalidUtf8("\xf4\x8f\xbf\xbf"), std::string_view::npos);  // U+10FFFF
 }
 
 TEST(ProtocolTest, UnknownFieldsAreIgnored) {

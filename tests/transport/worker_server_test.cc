@@ -264,7 +264,18 @@ std::vector<SocketCase> SocketCases(int64_t max_message_bytes) {
                    {GenerateHeader("r").Set("prompt", Value::Ints(std::vector<int64_t>(max_message_bytes / 4, 70000)))
                         .Bytes()},
                    ErrorCode::kTooLarge, ""});
+  cases.push_back({"frame over the limit on a message that takes none",
+                   {Header("health").Bytes(), std::string(static_cast<size_t>(max_message_bytes) * 3 / 2, 'x')},
+                   ErrorCode::kTooLarge, ""});
   cases.push_back({"extra frame on generate", {GenerateHeader("r").Bytes(), "extra"}, ErrorCode::kBadMessage, ""});
+  v = Header("health");
+  v.entries.emplace_back("type", Value::Str("shutdown"));  // Python's msgpack would read shutdown
+  one("a key twice", v, ErrorCode::kBadField, "type");
+  one("request_id not UTF-8", GenerateHeader("r").Set("request_id", Value::Str("\xc3\x28")), ErrorCode::kBadField,
+      "request_id");
+  one("min_policy_version reserved",
+      GenerateHeader("r").Set("min_policy_version", Value::Uint(std::numeric_limits<uint64_t>::max())),
+      ErrorCode::kBadField, "min_policy_version");
   cases.push_back({"chunk without its bytes",
                    {Header("update_chunk").Set("update_id", Value::Str("u")).Set("name", Value::Str("a"))
                         .Set("offset", Value::Int(0)).Bytes()},
