@@ -86,6 +86,28 @@ class GenerateTest(FakeWorkerTestCase):
         with self.assertRaises(ValueError):
             self.client.generate([[1]], [SamplingParams()] * 2)
 
+    def test_n_from_sampling_params_as_in_vllm_and_the_argument_overrides_it(self):
+        import numpy as np
+        outs = self.client.generate([[1], [2]], [SamplingParams(max_tokens=2, n=3),
+                                                 SamplingParams(max_tokens=2)])
+        self.assertEqual([len(o.outputs) for o in outs], [3, 1])
+        sent = sorted(h["n"] for w in self.workers for t, h in w.received if t == "generate")
+        self.assertEqual(sent, [1, 3])
+        outs = self.client.generate([[1]], SamplingParams(max_tokens=2, n=3), n=np.int64(2))
+        self.assertEqual(len(outs[0].outputs), 2)
+        self.assertEqual(outs[0].outputs[1].token_ids, expected_tokens([1], 1, 2, VOCAB))
+        for bad in (SamplingParams(n=0), SamplingParams(n=True), SamplingParams(n=2.0)):
+            with self.assertRaisesRegex(ValueError, r"sampling_params\.n"):
+                self.client.generate([[1]], bad)
+
+    def test_a_flat_prompt_is_one_prompt(self):
+        import numpy as np
+        for prompt in ([1, 2], np.array([1, 2], dtype=np.int64)):
+            outs = self.client.generate(prompt, SamplingParams(max_tokens=3))
+            self.assertEqual(len(outs), 1)
+            self.assertEqual(outs[0].prompt_token_ids, [1, 2])
+            self.assertEqual(outs[0].outputs[0].token_ids, expected_tokens([1, 2], 0, 3, VOCAB))
+
     def test_error_reply_raises_with_code_field_and_worker_then_client_still_works(self):
         with self.assertRaises(WorkerError) as cm:
             self.client.generate([[1, 2], [1, 99, 3]], n=2)
@@ -198,6 +220,8 @@ class GenerateTest(FakeWorkerTestCase):
             self.client.generate([[1], [1.5]])
         with self.assertRaises(ValueError):
             self.client.generate([[1]], n=0)
+        with self.assertRaisesRegex(ValueError, r"prompts\[1\] is empty"):
+            self.client.generate([[1], []])
         self.assertEqual(self.client.generate([]), [])
         for w in self.workers:
             self.assertEqual(w.types(), [])
@@ -380,6 +404,12 @@ class ControlTest(FakeWorkerTestCase):
         lines = [json.loads(line) for line in stdout.getvalue().splitlines()]
         self.assertEqual([l["prompt_token_ids"] for l in lines], [[1, 2], [3]])
         self.assertEqual(lines[1]["outputs"][1]["token_ids"], expected_tokens([3], 1, 3, VOCAB))
+        with contextlib.redirect_stdout(io.StringIO()):
+            rc = cli_main(["--endpoint", self.workers[0].endpoint, "generate", "--prompt", "3",
+                           "--stop-token-ids", "7", "--exclude-stop-token"])
+        self.assertEqual(rc, 0)
+        sampling = [h["sampling"] for t, h in self.workers[0].received if t == "generate"][-1]
+        self.assertEqual((sampling["stop_token_ids"], sampling["include_stop_token"]), ([7], False))
 
     def test_cli_commands_without_reply_fields_print_ok(self):
         for command in ("pause", "resume", "flush-cache"):

@@ -65,7 +65,10 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--seed", type=int)
-    g.add_argument("--stop-token-ids", type=_token_list, default=[])
+    g.add_argument("--stop-token-ids", type=_token_list, default=[],
+                   help="token ids that end a sample (none by default: EOS is not implied)")
+    g.add_argument("--exclude-stop-token", action="store_true",
+                   help="leave the stop token (and its logprob) out of the output")
     g.add_argument("--min-policy-version", type=int, default=0)
     return p
 
@@ -118,7 +121,8 @@ def _main(argv: Optional[List[str]]) -> int:
         if args.command == "generate":
             params = SamplingParams(temperature=args.temperature, top_p=args.top_p,
                                     top_k=args.top_k, max_tokens=args.max_tokens,
-                                    stop_token_ids=args.stop_token_ids, seed=args.seed)
+                                    stop_token_ids=args.stop_token_ids,
+                                    include_stop_token=not args.exclude_stop_token, seed=args.seed)
             for out in client.generate(args.prompt, params, n=args.n,
                                        min_policy_version=args.min_policy_version):
                 print(json.dumps(dataclasses.asdict(out)))

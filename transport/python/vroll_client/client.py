@@ -122,6 +122,20 @@ class _Worker:
         self.socket.close(linger=self._linger_ms if linger_ms is None else linger_ms)
 
 
+def _is_int(value: Any) -> bool:
+    """An int or numpy integer, not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _check_n(n: Any, what: str) -> int:
+    """n as an int in [1, 2**64); ValueError naming `what` else (numpy ints are fine)."""
+    if not _is_int(n) or n < 1:
+        raise ValueError(f"{what} = {n!r} must be an int >= 1")
+    if n >= protocol.WIRE_INT_END:
+        raise ValueError(f"{what} = {n} must be < 2**64")
+    return int(n)
+
+
 @dataclass
 class _PendingRequest:
     """generate() state of one prompt."""
@@ -431,9 +445,9 @@ class VrollClient:
     # -----------------------------------------------------------------------------------------
     # Generation.
 
-    def generate(self, prompts: Sequence[Sequence[int]],
+    def generate(self, prompts: Union[Sequence[int], Sequence[Sequence[int]]],
                  sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
-                 n: int = 1, min_policy_version: int = 0,
+                 n: Optional[int] = None, min_policy_version: int = 0,
                  endpoints: Optional[Sequence[str]] = None) -> List[RequestOutput]:
         """Generates n samples for each prompt on the workers; returns one RequestOutput per
         prompt, in the order of ``prompts``, each with its n samples in index order.
@@ -448,10 +462,11 @@ class VrollClient:
         Args:
           prompts: token-id lists (ints, numpy ints fine), each non-empty and shorter than the
             worker's max_model_len (``health()``: the model's max_seq_len unless the worker's KV
-            cache is too small for it).
+            cache is too small for it); or one prompt as a flat list of ints (one output).
           sampling_params: one SamplingParams for all prompts, or one per prompt (default
             SamplingParams()).
-          n: samples per prompt (a GRPO group), 1 <= n <= the worker's max_num_seqs.
+          n: samples per prompt (a GRPO group), 1 <= n <= the worker's max_num_seqs; default:
+            each prompt's ``SamplingParams.n``.
           min_policy_version: the workers start a request only once they run this version.
           endpoints: spread over these of the client's workers only (default all), e.g. to
             leave out one that is down.
@@ -459,13 +474,15 @@ class VrollClient:
           list[RequestOutput]; a sample that failed inside the engine is returned with
           finish_reason ``error`` and its message in ``error``, not raised.
         Raises:
-          TypeError / ValueError: a malformed prompt or argument (nothing sent).
+          TypeError / ValueError: a malformed or empty prompt or argument (nothing sent).
           WorkerError: a worker refused a request (e.g. ``bad_field`` with field ``prompt[3]``);
             the call's other unfinished requests are aborted on their workers.
           VrollTimeoutError: a worker with requests in flight stayed silent for timeout_s (every
             unfinished request is aborted, the silent worker's best effort on its old socket,
             which is then reset).
         """
+        if len(prompts) > 0 and _is_int(prompts[0]):
+            prompts = [prompts]  # one prompt given flat, as vLLM accepts
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
@@ -474,10 +491,8 @@ class VrollClient:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise ValueError(f"n = {n!r} must be an int >= 1")
-        if n >= protocol.WIRE_INT_END:
-            raise ValueError(f"n = {n} must be < 2**64")
+        if n is not None:
+            n = _check_n(n, "n")
         min_policy_version = protocol.wire_int(min_policy_version, "min_policy_version", 0)
         workers = self._select(endpoints)
 
@@ -492,12 +507,16 @@ class VrollClient:
                     if isinstance(sampling_params, SamplingParams):
                         raise
                     raise type(exc)(f"sampling_params[{i}]: {exc}") from None
+            num_samples = n if n is not None else _check_n(
+                sp.n, "sampling_params.n" if isinstance(sampling_params, SamplingParams) else f"sampling_params[{i}].n")
             rid = self._next_id("r")
             try:
-                header = protocol.make_generate(rid, prompt, n, wire, min_policy_version)
+                header = protocol.make_generate(rid, prompt, num_samples, wire, min_policy_version)
             except TypeError as exc:
                 raise TypeError(f"prompts[{i}]: {exc}") from None
-            requests.append(_PendingRequest(i, rid, header, n, [None] * n))
+            if not header["prompt"]:
+                raise ValueError(f"prompts[{i}] is empty (a prompt needs at least one token)")
+            requests.append(_PendingRequest(i, rid, header, num_samples, [None] * num_samples))
         if not requests:
             return []
 

@@ -21,8 +21,14 @@ class SamplingParams:
       include_stop_token: whether the stop token (and its logprob) is part of the output.
       seed: seed of the request's generators (sample i draws from stream (seed, i)); None lets
         the worker draw one.
+      n: samples per prompt (a GRPO group), as in vLLM; ``generate(..., n=k)`` overrides it.
     The worker validates the values and answers a bad one with error ``bad_field`` naming
     ``sampling.<field>``; the client only checks types (to_wire) and converts them.
+
+    Unlike vLLM, no token ends a sample unless it is in ``stop_token_ids``: the end-of-sequence
+    token is not implied (vLLM stops at EOS unless ``ignore_eos``). Pass the model's EOS id (2
+    for llama2.c models such as stories260K; ``eos_token_id`` of a Hugging Face config) to stop
+    there.
     """
 
     temperature: float = 1.0
@@ -32,9 +38,10 @@ class SamplingParams:
     stop_token_ids: List[int] = field(default_factory=list)
     include_stop_token: bool = True
     seed: Optional[int] = None
+    n: int = 1
 
     def to_wire(self) -> Dict[str, Any]:
-        """The protocol's ``sampling`` map.
+        """The protocol's ``sampling`` map (``n`` travels beside it, in the ``generate`` header).
 
         Raises (naming the field, e.g. ``sampling.max_tokens = '5' must be an int``):
           TypeError: temperature or top_p not a number; top_k, max_tokens, seed or a stop token
