@@ -129,7 +129,7 @@ class TwoWorkersTest(unittest.TestCase):
             self.assertTrue(h["ok"])
             self.assertEqual(h["protocol_version"], 1)
             self.assertEqual(h["model"], {"vocab_size": VOCAB, "max_seq_len": 256, "dim": DIM,
-                                          "n_layers": N_LAYERS})
+                                          "n_layers": N_LAYERS, "max_model_len": 256})
 
     def test_generate_n_samples_counts_token_ranges_and_logprobs(self):
         prompts = [[1, 72, 101, 108], [1, 84], [1, 87, 111, 114, 108, 100, 33]]
