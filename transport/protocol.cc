@@ -304,6 +304,41 @@ class MapReader {
   const msgpack::object_map* map_ = nullptr;
 };
 
+/// Every str in `o` (map keys included) is valid UTF-8 and no map has a str key twice, at every
+/// level, in fields this decoder reads and in those it ignores alike (a proxy or logger with
+/// another decoder must not see a different message). bad_field names the first offender.
+/// Recursion depth is bounded by the unpack limit (32).
+void CheckTree(const msgpack::object& o, const std::string& path) {
+  switch (o.type) {
+    case msgpack::type::STR: (void)ToString(o, path); return;
+    case msgpack::type::ARRAY:
+      for (uint32_t i = 0; i < o.via.array.size; ++i) {
+        const msgpack::object& e = o.via.array.ptr[i];
+        if (e.type == msgpack::type::STR || e.type == msgpack::type::ARRAY || e.type == msgpack::type::MAP) {
+          CheckTree(e, Index(path, i));
+        }
+      }
+      return;
+    case msgpack::type::MAP: {
+      const MapReader m(o, path);  // duplicate keys
+      for (uint32_t i = 0; i < o.via.map.size; ++i) {
+        const msgpack::object& k = o.via.map.ptr[i].key;
+        std::string key_path = path;
+        if (k.type == msgpack::type::STR) {
+          const std::string_view key(k.via.str.ptr, k.via.str.size);
+          if (FirstInvalidUtf8(key) != std::string_view::npos) (void)ToString(k, Join(path, "(a key)"));
+          key_path = Join(path, key);
+        } else {
+          CheckTree(k, Join(path, "(a key)"));
+        }
+        CheckTree(o.via.map.ptr[i].val, key_path);
+      }
+      return;
+    }
+    default: return;
+  }
+}
+
 std::vector<int32_t> ToInt32Array(const msgpack::object& o, const std::string& field) {
   const msgpack::object_array& a = ToArray(o, field);
   std::vector<int32_t> out;
@@ -607,7 +642,7 @@ Decoded<Message> DecodeHeader(const void* data, size_t size, ParseBody parse_bod
     }
     const MapReader m(root, "", /*check_unique=*/false);
     if (m.CountKey("id") < 2) id = m.OptStr("id");  // echoed in an error reply when unambiguous
-    m.CheckUniqueKeys();
+    CheckTree(root, "");  // unknown fields too: every str UTF-8, no key twice
     const msgpack::object* v = m.Find("v");
     if (v == nullptr) BadField("v", fmt::format("is missing (protocol version {})", kProtocolVersion));
     if (!((v->type == msgpack::type::POSITIVE_INTEGER && v->via.u64 == kProtocolVersion))) {

@@ -395,6 +395,20 @@ std::vector<BadCase> BadCases() {
   add("request_id not UTF-8", GenerateHeader("r").Set("request_id", Value::Str("\xc3\x28")), ErrorCode::kBadField,
       "request_id");
   add("id not UTF-8", Header("health").Set("id", Value::Str("\xff\xfe")), ErrorCode::kBadField, "id");
+  // Fields the decoder ignores are held to the same rules (a second decoder must not see a
+  // different message).
+  add("unknown field not UTF-8", Header("health").Set("future", Value::Str("\xc0\x80")), ErrorCode::kBadField,
+      "future");
+  v = GenerateHeader("r");
+  v.At("sampling").Set("min_p", Value::Array({Value::Str("ok"), Value::Str("\xed\xa0\x80")}));
+  add("unknown sampling field holding a non-UTF-8 str", v, ErrorCode::kBadField, "sampling.min_p[1]");
+  v = Header("health");
+  v.At("future").Set("a", Value::Int(1));
+  v.At("future").entries.emplace_back("a", Value::Int(2));
+  add("a key twice in an unknown map", v, ErrorCode::kBadField, "future.a");
+  v = Header("health");
+  v.entries.emplace_back("\xff", Value::Int(1));
+  add("an unknown key not UTF-8", v, ErrorCode::kBadField, "(a key)");
   v = ValidBegin();
   v.At("tensors").items[0].Set("name", Value::Str("model.\xed\xa0\x80"));  // a surrogate
   add("tensors[0].name not UTF-8", v, ErrorCode::kBadField, "tensors[0].name");

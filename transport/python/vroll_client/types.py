@@ -26,9 +26,9 @@ class SamplingParams:
     ``sampling.<field>``; the client only checks types (to_wire) and converts them.
 
     Unlike vLLM, no token ends a sample unless it is in ``stop_token_ids``: the end-of-sequence
-    token is not implied (vLLM stops at EOS unless ``ignore_eos``). Pass the model's EOS id (2
-    for llama2.c models such as stories260K; ``eos_token_id`` of a Hugging Face config) to stop
-    there.
+    token is not implied (vLLM stops at EOS unless ``ignore_eos``). Pass the model's: for the
+    llama2.c story models (stories260K) ``[1, 2]``, since they end a story by starting the next
+    one with BOS = 1 (EOS = 2); for a Hugging Face model ``eos_token_id`` of its config.json.
     """
 
     temperature: float = 1.0
