@@ -75,6 +75,8 @@ Engine::Engine(const policy::Checkpoint& checkpoint, const EngineConfig& config)
   kv_config.block_size = config_.block_size;
   kv_config.enable_prefix_caching = config_.enable_prefix_caching;
   kv_config.watermark_blocks = config_.watermark_blocks >= 0 ? config_.watermark_blocks : num_blocks / 100;
+  kv_config.bytes_per_block = bytes_per_block;
+  kv_ = std::make_unique<cache::KvCacheManager>(kv_config);
   // The longest sequence the engine runs. A sequence is (re)admitted with the KV of all its tokens
   // (a preempted one recomputes prompt + output), which needs blocks beyond the watermark; one
   // longer than that could never be admitted, even alone, and would wait forever at the head of
@@ -83,14 +85,17 @@ Engine::Engine(const policy::Checkpoint& checkpoint, const EngineConfig& config)
   num_kv_blocks_ = num_blocks;
   const int64_t cache_tokens = int64_t{num_blocks - std::max(kv_config.watermark_blocks, 0)} * config_.block_size;
   max_model_len_ = static_cast<int>(std::min<int64_t>(model_config_.max_seq_len, cache_tokens));
+  if (max_model_len_ < 2) {
+    throw policy::ConfigError(fmt::format(
+        "engine config: the KV cache ({} blocks x {} tokens, {} kept free as the watermark) holds {} tokens of one "
+        "sequence; a sequence needs >= 2 (raise kv_cache_bytes or lower watermark_blocks)",
+        num_blocks, config_.block_size, kv_config.watermark_blocks, cache_tokens));
+  }
   if (max_model_len_ < model_config_.max_seq_len) {
     // Blocks for one full-context sequence plus the watermark (by default 1% of all blocks).
     const int64_t sequence_blocks = (int64_t{model_config_.max_seq_len} + config_.block_size - 1) / config_.block_size;
-    int64_t blocks_needed = sequence_blocks;
-    while (blocks_needed - (config_.watermark_blocks >= 0 ? config_.watermark_blocks : blocks_needed / 100) <
-           sequence_blocks) {
-      ++blocks_needed;
-    }
+    int64_t blocks_needed = sequence_blocks + std::max(config_.watermark_blocks, 0);
+    while (config_.watermark_blocks < 0 && blocks_needed - blocks_needed / 100 < sequence_blocks) ++blocks_needed;
     Logger("rollout").warn(
         "engine: the KV cache ({} blocks x {} tokens, {} kept free as the watermark) holds {} tokens of one sequence, "
         "less than the model's context of {}: sequences are capped at {} tokens (prompts must be shorter; "
@@ -99,8 +104,6 @@ Engine::Engine(const policy::Checkpoint& checkpoint, const EngineConfig& config)
         num_blocks, config_.block_size, kv_config.watermark_blocks, cache_tokens, model_config_.max_seq_len,
         max_model_len_, blocks_needed * bytes_per_block, (blocks_needed * bytes_per_block + 1048575) / 1048576);
   }
-  kv_config.bytes_per_block = bytes_per_block;
-  kv_ = std::make_unique<cache::KvCacheManager>(kv_config);
   SchedulerConfig sched;
   sched.max_num_seqs = config_.max_num_seqs;
   sched.max_num_batched_tokens = config_.max_num_batched_tokens;

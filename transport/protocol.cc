@@ -194,20 +194,16 @@ const msgpack::object_array& ToArray(const msgpack::object& o, const std::string
 }
 
 /// A msgpack map with the path it sits at, for lookups that name the field when they fail.
-/// Keys that are not strings are ignored; a string key that appears twice is a bad_field (the
-/// message would mean different things to decoders that keep the first or the last); nil counts
-/// as absent (so Python's None means "default").
+/// Keys that are not strings are ignored; nil counts as absent (so Python's None means
+/// "default"). Every header was checked by CheckTree first: no str key appears twice.
 class MapReader {
  public:
-  /// check_unique false: the caller calls CheckUniqueKeys itself (after reading what it needs
-  /// for an error reply, e.g. the id).
-  MapReader(const msgpack::object& o, std::string path, bool check_unique = true) : path_(std::move(path)) {
+  MapReader(const msgpack::object& o, std::string path) : path_(std::move(path)) {
     if (o.type != msgpack::type::MAP) WrongType(path_, "a map", o);
     map_ = &o.via.map;
-    if (check_unique) CheckUniqueKeys();
   }
 
-  /// How many times the string key `key` appears.
+  /// How many times the string key `key` appears (read before CheckTree, for the error's id).
   int CountKey(std::string_view key) const {
     int count = 0;
     for (uint32_t i = 0; i < map_->size; ++i) {
@@ -215,30 +211,6 @@ class MapReader {
       count += k.type == msgpack::type::STR && std::string_view(k.via.str.ptr, k.via.str.size) == key;
     }
     return count;
-  }
-
-  /// The first string key (in sorted order) that appears more than once, or empty.
-  std::string_view DuplicateKey() const {
-    std::vector<std::string_view> keys;
-    keys.reserve(map_->size);
-    for (uint32_t i = 0; i < map_->size; ++i) {
-      const msgpack::object& k = map_->ptr[i].key;
-      if (k.type == msgpack::type::STR) keys.emplace_back(k.via.str.ptr, k.via.str.size);
-    }
-    std::sort(keys.begin(), keys.end());
-    const auto dup = std::adjacent_find(keys.begin(), keys.end());
-    return dup == keys.end() ? std::string_view() : *dup;
-  }
-
-  void CheckUniqueKeys() const {
-    if (map_->size < 2) return;
-    const std::string_view dup = DuplicateKey();
-    if (!dup.empty() || std::count_if(map_->ptr, map_->ptr + map_->size, [](const msgpack::object_kv& kv) {
-                          return kv.key.type == msgpack::type::STR && kv.key.via.str.size == 0;
-                        }) > 1) {
-      const std::string key = FirstInvalidUtf8(dup) == std::string_view::npos ? std::string(dup) : "(not UTF-8)";
-      BadField(Field(key), "appears more than once in the map");
-    }
   }
 
   const msgpack::object* Find(std::string_view key) const {
@@ -304,34 +276,72 @@ class MapReader {
   const msgpack::object_map* map_ = nullptr;
 };
 
+/// Where CheckTree is: a chain of map keys and array indexes, turned into a field path ("a.b[3]")
+/// only for an error, so that checking a large header allocates nothing per element.
+struct TreePath {
+  const TreePath* parent = nullptr;
+  std::string_view key;  // a map key (index < 0), or
+  int64_t index = -1;    // an array index
+};
+
+std::string ToField(const TreePath* p) {
+  if (p == nullptr) return "";
+  const std::string parent = ToField(p->parent);
+  return p->index >= 0 ? Index(parent, static_cast<size_t>(p->index)) : Join(parent, p->key);
+}
+
 /// Every str in `o` (map keys included) is valid UTF-8 and no map has a str key twice, at every
 /// level, in fields this decoder reads and in those it ignores alike (a proxy or logger with
 /// another decoder must not see a different message). bad_field names the first offender.
 /// Recursion depth is bounded by the unpack limit (32).
-void CheckTree(const msgpack::object& o, const std::string& path) {
+void CheckTree(const msgpack::object& o, const TreePath* path) {
+  auto nested = [](const msgpack::object& x) {
+    return x.type == msgpack::type::STR || x.type == msgpack::type::ARRAY || x.type == msgpack::type::MAP;
+  };
   switch (o.type) {
-    case msgpack::type::STR: (void)ToString(o, path); return;
+    case msgpack::type::STR:
+      if (FirstInvalidUtf8(std::string_view(o.via.str.ptr, o.via.str.size)) != std::string_view::npos) {
+        (void)ToString(o, ToField(path));  // throws bad_field naming the byte
+      }
+      return;
     case msgpack::type::ARRAY:
       for (uint32_t i = 0; i < o.via.array.size; ++i) {
         const msgpack::object& e = o.via.array.ptr[i];
-        if (e.type == msgpack::type::STR || e.type == msgpack::type::ARRAY || e.type == msgpack::type::MAP) {
-          CheckTree(e, Index(path, i));
-        }
+        if (!nested(e)) continue;
+        const TreePath child{path, {}, static_cast<int64_t>(i)};
+        CheckTree(e, &child);
       }
       return;
     case msgpack::type::MAP: {
-      const MapReader m(o, path);  // duplicate keys
-      for (uint32_t i = 0; i < o.via.map.size; ++i) {
-        const msgpack::object& k = o.via.map.ptr[i].key;
-        std::string key_path = path;
+      const msgpack::object_map& m = o.via.map;
+      if (m.size >= 2) {
+        std::vector<std::string_view> keys;
+        keys.reserve(m.size);
+        for (uint32_t i = 0; i < m.size; ++i) {
+          if (m.ptr[i].key.type == msgpack::type::STR) keys.emplace_back(m.ptr[i].key.via.str.ptr, m.ptr[i].key.via.str.size);
+        }
+        std::sort(keys.begin(), keys.end());
+        if (const auto dup = std::adjacent_find(keys.begin(), keys.end()); dup != keys.end()) {
+          const std::string key = dup->empty()                                          ? "(empty key)"
+                                  : FirstInvalidUtf8(*dup) == std::string_view::npos ? std::string(*dup)
+                                                                                      : "(a key, not UTF-8)";
+          BadField(Join(ToField(path), key), "appears more than once in the map");
+        }
+      }
+      for (uint32_t i = 0; i < m.size; ++i) {
+        const msgpack::object& k = m.ptr[i].key;
+        const msgpack::object& v = m.ptr[i].val;
         if (k.type == msgpack::type::STR) {
           const std::string_view key(k.via.str.ptr, k.via.str.size);
-          if (FirstInvalidUtf8(key) != std::string_view::npos) (void)ToString(k, Join(path, "(a key)"));
-          key_path = Join(path, key);
+          if (FirstInvalidUtf8(key) != std::string_view::npos) (void)ToString(k, Join(ToField(path), "(a key)"));
+          if (!nested(v)) continue;
+          const TreePath child{path, key, -1};
+          CheckTree(v, &child);
         } else {
-          CheckTree(k, Join(path, "(a key)"));
+          const TreePath key_path{path, "(a key)", -1};
+          if (nested(k)) CheckTree(k, &key_path);
+          if (nested(v)) CheckTree(v, &key_path);
         }
-        CheckTree(o.via.map.ptr[i].val, key_path);
       }
       return;
     }
@@ -607,7 +617,8 @@ std::string PeekTopLevelId(const void* data, size_t size) {
     (void)msgpack::parse(static_cast<const char*>(data), size, offset, finder);
   } catch (const std::exception&) {  // malformed: no id
   }
-  return finder.id.value_or("");
+  const std::string id = finder.id.value_or("");
+  return FirstInvalidUtf8(id) == std::string_view::npos ? id : std::string();  // never echo bad bytes
 }
 
 /// Unpacks one msgpack object filling the whole frame, with limits tied to the frame's size: an
@@ -640,14 +651,16 @@ Decoded<Message> DecodeHeader(const void* data, size_t size, ParseBody parse_bod
     if (root.type != msgpack::type::MAP) {
       Fail(ErrorCode::kBadMessage, "", fmt::format("header must be a msgpack map, got {}", KindName(root)));
     }
-    const MapReader m(root, "", /*check_unique=*/false);
+    const MapReader m(root, "");
     if (m.CountKey("id") < 2) id = m.OptStr("id");  // echoed in an error reply when unambiguous
-    CheckTree(root, "");  // unknown fields too: every str UTF-8, no key twice
-    const msgpack::object* v = m.Find("v");
-    if (v == nullptr) BadField("v", fmt::format("is missing (protocol version {})", kProtocolVersion));
-    if (!((v->type == msgpack::type::POSITIVE_INTEGER && v->via.u64 == kProtocolVersion))) {
-      Fail(ErrorCode::kBadVersion, "v", fmt::format("protocol version must be {}", kProtocolVersion));
+    if (m.CountKey("v") < 2) {  // a future version's message is bad_version whatever else it holds
+      const msgpack::object* v = m.Find("v");
+      if (v == nullptr) BadField("v", fmt::format("is missing (protocol version {})", kProtocolVersion));
+      if (!((v->type == msgpack::type::POSITIVE_INTEGER && v->via.u64 == kProtocolVersion))) {
+        Fail(ErrorCode::kBadVersion, "v", fmt::format("protocol version must be {}", kProtocolVersion));
+      }
     }
+    CheckTree(root, nullptr);  // unknown fields too: every str UTF-8, no key twice
     const std::string type = m.Str("type");
     out.message = parse_body(type, m, id);
   } catch (const Failure& f) {

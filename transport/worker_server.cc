@@ -3,6 +3,7 @@
 #include <sys/eventfd.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <chrono>
@@ -227,6 +228,7 @@ struct WorkerServer::Impl {
   struct Incoming {
     std::vector<zmq::message_t> frames;  // [routing id, header, payload...], at most kMaxKeptFrames
     size_t num_frames = 0;               // including the ones not kept
+    size_t largest_dropped = 0;          // bytes of the largest frame not kept
     Role role = Role::kTrainer;
   };
   static constexpr size_t kMaxKeptFrames = 3;
@@ -419,7 +421,11 @@ struct WorkerServer::Impl {
                       ? Role::kTrainer
                       : Role::kClient;
       }
-      if (in.frames.size() < kMaxKeptFrames) in.frames.push_back(std::move(frame));
+      if (in.frames.size() < kMaxKeptFrames) {
+        in.frames.push_back(std::move(frame));
+      } else {
+        in.largest_dropped = std::max(in.largest_dropped, frame.size());
+      }
       ++in.num_frames;
       if (!more) return in;
     }
@@ -549,6 +555,12 @@ struct WorkerServer::Impl {
         return;
       }
     }
+    if (in.largest_dropped > static_cast<size_t>(config.max_message_bytes)) {
+      SendError(peer, id, ErrorCode::kTooLarge, "",
+                fmt::format("a frame of {} bytes exceeds max_message_bytes = {}", in.largest_dropped,
+                            config.max_message_bytes));
+      return;
+    }
     const size_t num_payload = in.num_frames - 2;
     if (num_payload != NumPayloadFrames(message)) {
       SendError(peer, id, ErrorCode::kBadMessage, "",
@@ -675,12 +687,22 @@ struct WorkerServer::Impl {
   /// `unknown_update`. Refreshes its timeout. An update belongs to the connection that began it:
   /// another one (another trainer, or the same client after it reconnected) cannot chunk, commit,
   /// apply or abort it, so one trainer cannot finish or discard another's transaction.
-  OpenUpdate* FindUpdate(const std::string& peer, const std::string& id, const std::string& update_id) {
+  /// `abort_if_owner_gone`: an abort from another connection is accepted when the owner's
+  /// connection is gone (a probe to it cannot be routed): nobody can finish that update, and a
+  /// client that reset its socket after a timeout aborts from its new one.
+  OpenUpdate* FindUpdate(const std::string& peer, const std::string& id, const std::string& update_id,
+                         bool abort_if_owner_gone = false) {
     if (!update || update->update_id != update_id) {
       SendError(peer, id, ErrorCode::kUnknownUpdate, "update_id",
                 update ? fmt::format("no open update '{}' (the open one is '{}')", update_id, update->update_id)
                        : fmt::format("no open update '{}' (never begun, finished, aborted or timed out)", update_id));
       return nullptr;
+    }
+    if (update->owner != peer && abort_if_owner_gone && update->phase != OpenUpdate::Phase::kApplying &&
+        !Send(update->owner, MakeHealth(""))) {
+      log.info("update '{}': peer {} that began it is gone; peer {} may abort it", update_id, Hex(update->owner),
+               Hex(peer));
+      update->owner = peer;
     }
     if (update->owner != peer) {
       log.warn("peer {} sent a message for update '{}', which peer {} began: refused", Hex(peer), update_id,
@@ -907,7 +929,7 @@ struct WorkerServer::Impl {
   }
 
   void On(const std::string& peer, UpdateAbortMsg& m) {
-    OpenUpdate* u = FindUpdate(peer, m.id, m.update_id);
+    OpenUpdate* u = FindUpdate(peer, m.id, m.update_id, /*abort_if_owner_gone=*/true);
     if (u == nullptr) return;
     if (u->phase == OpenUpdate::Phase::kApplying) {
       SendError(peer, m.id, ErrorCode::kBusy, "",

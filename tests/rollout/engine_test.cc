@@ -15,6 +15,7 @@
 
 #include "cache/block_pool.h"
 #include "policy/default_model.h"
+#include "policy/errors.h"
 #include "policy/llama2c_loader.h"
 #include "rollout/engine.h"
 #include "tests/support/model_oracles.h"
@@ -209,6 +210,17 @@ TEST(EngineTest, AKvCacheSmallerThanTheContextCapsSequencesInsteadOfStallingTheQ
   // Blocks kept free as the watermark are not the sequence's to use.
   tiny.watermark_blocks = 2;
   EXPECT_EQ(Engine(Stories(), tiny).max_model_len(), 6 * 16);
+  // Room for fewer than 2 tokens: a configuration error naming the cache, not the scheduler's.
+  tiny.block_size = 1;
+  tiny.kv_cache_bytes = 8 * cache::KvBytesPerBlock(m.n_layers, m.n_kv_heads, m.head_dim(), 1, sizeof(float));
+  tiny.watermark_blocks = 7;
+  try {
+    Engine too_small(Stories(), tiny);
+    ADD_FAILURE() << "an engine with room for 1 token was built";
+  } catch (const policy::ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("holds 1 tokens of one sequence; a sequence needs >= 2"), std::string::npos)
+        << e.what();
+  }
 }
 
 TEST(EngineTest, StopTokensAndMaxNewTokensAreHonored) {

@@ -409,6 +409,16 @@ std::vector<BadCase> BadCases() {
   v = Header("health");
   v.entries.emplace_back("\xff", Value::Int(1));
   add("an unknown key not UTF-8", v, ErrorCode::kBadField, "(a key)");
+  v = Header("health");
+  v.entries.emplace_back("", Value::Int(1));
+  v.entries.emplace_back("", Value::Int(2));
+  add("the empty key twice", v, ErrorCode::kBadField, "(empty key)");
+  v = Header("health").Set("v", Value::Int(2));
+  v.entries.emplace_back("type", Value::Str("shutdown"));
+  add("a future version's message with a key twice", v, ErrorCode::kBadVersion, "v");
+  v = Header("health");
+  v.At("future").Set("list", Value::Array({Value::Int(1), Value::Map({{"k", Value::Int(1)}, {"k", Value::Int(2)}})}));
+  add("a key twice in a map inside an unknown array", v, ErrorCode::kBadField, "future.list[1].k");
   v = ValidBegin();
   v.At("tensors").items[0].Set("name", Value::Str("model.\xed\xa0\x80"));  // a surrogate
   add("tensors[0].name not UTF-8", v, ErrorCode::kBadField, "tensors[0].name");

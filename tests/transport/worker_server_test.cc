@@ -267,6 +267,9 @@ std::vector<SocketCase> SocketCases(int64_t max_message_bytes) {
   cases.push_back({"frame over the limit on a message that takes none",
                    {Header("health").Bytes(), std::string(static_cast<size_t>(max_message_bytes) * 3 / 2, 'x')},
                    ErrorCode::kTooLarge, ""});
+  cases.push_back({"frame over the limit behind others (not kept by the worker)",
+                   {Header("health").Bytes(), "x", "y", std::string(static_cast<size_t>(max_message_bytes) * 3 / 2, 'x')},
+                   ErrorCode::kTooLarge, ""});
   cases.push_back({"extra frame on generate", {GenerateHeader("r").Bytes(), "extra"}, ErrorCode::kBadMessage, ""});
   v = Header("health");
   v.entries.emplace_back("type", Value::Str("shutdown"));  // Python's msgpack would read shutdown
@@ -970,6 +973,35 @@ TEST(WorkerServerTest, OnlyTheConnectionThatBeganAnUpdateCanSendItsMessages) {
   EXPECT_EQ(applied.stage, UpdateStage::kApplied);
   EXPECT_EQ(applied.version, 1u);
   EXPECT_EQ(applied.weights_checksum, policy::WeightsChecksum(weights));
+}
+
+// ...except an abort once the owner's connection is gone: nobody can finish that update, and a
+// client that reset its socket after a timeout sends its abort from the new one. (Chunks and
+// commits from another connection stay refused even then.)
+TEST(WorkerServerTest, AnUpdateWhoseConnectionIsGoneCanBeAbortedFromAnother) {
+  WorkerHarness worker;
+  const policy::WeightMap& weights = NewPolicy().weights;
+  ClientOptions options;
+  options.linger_ms = 0;
+  auto owner = Connect(worker.endpoint(), options);
+  owner->Send(FullBegin("begin", "orphan", weights, 1));
+  EXPECT_EQ(NextAs<UpdateAckMsg>(*owner).stage, UpdateStage::kBegun);
+  owner.reset();  // the trainer's socket is closed
+  auto other = Connect(worker.endpoint());
+  const auto deadline = Clock::now() + std::chrono::milliseconds(kReplyWaitMs);
+  for (int attempt = 0;; ++attempt) {
+    ASSERT_LT(Clock::now(), deadline) << "the abort was never accepted";
+    other->Send(UpdateAbortMsg{fmt::format("abort-{}", attempt), "orphan"});
+    const WorkerMessage reply = Next(*other);
+    if (const auto* ack = std::get_if<UpdateAckMsg>(&reply)) {
+      EXPECT_EQ(ack->stage, UpdateStage::kAborted);
+      break;
+    }
+    // Until the worker has seen the connection close, the owner still counts as live.
+    ASSERT_EQ(std::get<ErrorMsg>(reply).code, ErrorCode::kUnknownUpdate);
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  EXPECT_EQ(other->PushWeights(weights, 1).version, 1u);  // the worker is free again
 }
 
 // An update waiting at the engine's safe point (here: draining 256 long samples) is past the

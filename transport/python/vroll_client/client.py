@@ -481,7 +481,7 @@ class VrollClient:
             unfinished request is aborted, the silent worker's best effort on its old socket,
             which is then reset).
         """
-        if len(prompts) > 0 and _is_int(prompts[0]):
+        if _is_int(next(iter(prompts), None)):
             prompts = [prompts]  # one prompt given flat, as vLLM accepts
         if sampling_params is None:
             sampling_params = SamplingParams()
