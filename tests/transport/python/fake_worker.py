@@ -86,6 +86,7 @@ class FakeWorker:
         self.delay_with_probes_s = 0.0
         self.num_probes_sent = 0
         self.fail_verify = False
+        self.busy_begins = 0  # answer this many update_begin messages with error busy
         self.bad_checksum = False
         self.version = 0
         self.weights = {k: np.zeros(v, dtype=np.float32) for k, v in self.params.items()}
@@ -233,6 +234,9 @@ class FakeWorker:
     def _weights(self, h: Dict[str, Any], payload: List[bytes]) -> List[Dict[str, Any]]:
         type_, u = h["type"], self._update
         if type_ == "update_begin":
+            if self.busy_begins > 0:
+                self.busy_begins -= 1
+                return [self._error(h, "busy", "another update is open")]
             if h["version"] <= self.version:
                 return [self._error(h, "update_failed", "version not newer", "version")]
             for i, t in enumerate(h["tensors"]):

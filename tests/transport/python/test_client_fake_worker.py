@@ -285,6 +285,22 @@ class PushWeightsTest(FakeWorkerTestCase):
         emb = self.workers[0].weights["model.embed_tokens.weight"]
         np.testing.assert_array_equal(emb, weights["model.embed_tokens.weight"].float().numpy())
 
+    def test_a_busy_worker_is_asked_again_for_up_to_busy_wait_s(self):
+        busy = self.workers[0]
+        busy.busy_begins = 2
+        acks = self.client.push_weights(make_weights(1), version=1)
+        self.assertEqual([a.version for a in acks], [1, 1])
+        self.assertEqual(busy.types().count("update_begin"), 3)
+        self.assertEqual(self.workers[1].types().count("update_begin"), 1)
+        # Not asked again: the push fails at begin, and the worker that began aborts.
+        busy.busy_begins = 1
+        with self.assertRaises(WeightUpdateError) as cm:
+            self.client.push_weights(make_weights(2), version=2, busy_wait_s=0)
+        self.assertEqual(cm.exception.phase, "begin")
+        self.assertEqual(cm.exception.failures[busy.endpoint].code, "busy")
+        self.assertEqual(self.workers[1].types()[-1], "update_abort")
+        self.assertEqual([w.version for w in self.workers], [1, 1])
+
     def test_verify_failure_on_one_worker_aborts_both(self):
         self.workers[1].fail_verify = True
         with self.assertRaises(WeightUpdateError) as cm:

@@ -690,7 +690,8 @@ class VrollClient:
     def push_weights(self, named_tensors: Mapping[str, Any], version: int, mode: str = "drain",
                      partial: bool = False, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                      endpoints: Optional[Sequence[str]] = None,
-                     apply_timeout_s: Optional[float] = None) -> List[UpdateAck]:
+                     apply_timeout_s: Optional[float] = None,
+                     busy_wait_s: float = 5.0) -> List[UpdateAck]:
         """Pushes new weights to the workers as one all-or-nothing update; returns each
         worker's ``applied`` acknowledgement, in endpoint order.
 
@@ -714,6 +715,11 @@ class VrollClient:
           endpoints: a subset of this client's workers (default all).
           apply_timeout_s: how long an apply may wait for the safe point (drain mode waits for
             running samples to finish); default timeout_s.
+          busy_wait_s: a worker that answers update_begin ``busy`` (another update is open or
+            being applied there, e.g. one whose trainer just crashed and that the worker has not
+            yet found gone) is asked again, with a back-off from 0.05 s to 1 s, for up to this
+            long; 0: not at all. Workers that began meanwhile wait (well within their
+            update_timeout_ms, 30 s by default).
         Returns:
           list[UpdateAck] with stage ``applied``, version == ``version`` and (full updates)
           weights_checksum == weights_checksum(named_tensors).
@@ -747,12 +753,25 @@ class VrollClient:
             self._abort_update(workers, update_id)
             return WeightUpdateError(version, update_id, phase, failures)
 
-        # Phase 0: every worker opens the update (checks the version, names, shapes, dtypes).
-        results = self._call(
-            workers, lambda id_: protocol.make_update_begin(update_id, version, manifest, mode,
-                                                            partial, id_),
-            "update_ack", "update_begin")
-        failures = self._stage_failures(results, "begun")
+        # Phase 0: every worker opens the update (checks the version, names, shapes, dtypes);
+        # those that answer busy are asked again for up to busy_wait_s.
+        busy_deadline = time.monotonic() + max(0.0, busy_wait_s)
+        backoff_s = 0.05
+        begin_on = workers
+        while True:
+            results = self._call(
+                begin_on, lambda id_: protocol.make_update_begin(update_id, version, manifest,
+                                                                mode, partial, id_),
+                "update_ack", "update_begin")
+            failures = self._stage_failures(results, "begun")
+            busy = [ep for ep, e in failures.items()
+                    if isinstance(e, WorkerError) and e.code == "busy"]
+            if not failures or len(busy) < len(failures) or time.monotonic() >= busy_deadline:
+                break
+            logger.info("update %s: busy on %s; asking again in %.2f s", update_id, busy, backoff_s)
+            time.sleep(min(backoff_s, max(0.0, busy_deadline - time.monotonic())))
+            backoff_s = min(2 * backoff_s, 1.0)
+            begin_on = [self._by_endpoint[ep] for ep in busy]
         if failures:
             raise fail("begin", failures)
 
