@@ -1,6 +1,7 @@
 #include "transport/client.h"
 
 #include <algorithm>
+#include <thread>
 #include <chrono>
 #include <condition_variable>
 #include <cstdlib>
@@ -359,8 +360,22 @@ UpdateAckMsg Client::PushWeights(const std::vector<TensorBytes>& tensors, Policy
   }
   times.checksum_ms = ms_since(t0);
   t0 = Clock::now();
-  Send(begin);
-  (void)WaitForUpdateAck(*this, prefix, begin.id, timeout_ms);  // "begun"; refusals throw, nothing to abort
+  const Clock::time_point busy_deadline = Clock::now() + std::chrono::milliseconds(std::max<int64_t>(0, options.busy_wait_ms));
+  std::chrono::milliseconds backoff(50);
+  for (int attempt = 0;; ++attempt) {
+    begin.id = attempt == 0 ? prefix + "begin" : fmt::format("{}begin{}", prefix, attempt);
+    Send(begin);
+    try {
+      (void)WaitForUpdateAck(*this, prefix, begin.id, timeout_ms);  // "begun"; refusals throw, nothing to abort
+      break;
+    } catch (const WorkerError& e) {
+      if (e.code() != ErrorCode::kBusy || Clock::now() >= busy_deadline) throw;
+      Logger("transport").info("client: update '{}' busy on {}; asking again in {} ms", update_id, endpoint_,
+                               backoff.count());
+      std::this_thread::sleep_for(std::min<Clock::duration>(backoff, busy_deadline - Clock::now()));
+      backoff = std::min(2 * backoff, std::chrono::milliseconds(1000));
+    }
+  }
   times.begin_ms = ms_since(t0);
 
   try {

@@ -71,6 +71,10 @@ struct PushOptions {
   /// workers; then ApplyUpdate(update_id) on each.
   bool apply = true;
   std::string update_id;  ///< empty: "v<version>-<random hex>"
+  /// update_begin answered `busy` (another update is open or being applied on the worker, e.g.
+  /// one whose trainer just crashed and that the worker has not yet found gone) is sent again,
+  /// with a back-off from 50 ms to 1 s, for up to this long; 0: the WorkerError is thrown at once.
+  int64_t busy_wait_ms = 5000;
 };
 
 /// Where the time of one PushWeights call went, milliseconds.

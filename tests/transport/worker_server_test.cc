@@ -928,14 +928,29 @@ TEST(WorkerServerTest, ASecondUpdateWhileOneIsOpenIsBusy) {
   auto second = Connect(worker.endpoint());
   first->SendFrames({BeginHeader("one", 1, {TensorEntry("model.norm.weight", {64}, 256)}).Bytes()});
   EXPECT_EQ(NextAs<UpdateAckMsg>(*first).stage, UpdateStage::kBegun);
+  PushOptions no_wait;
+  no_wait.busy_wait_ms = 0;
   try {
-    (void)second->PushWeights(NewPolicy().weights, 2);
+    (void)second->PushWeights(NewPolicy().weights, 2, no_wait);
     FAIL() << "a second update was accepted while one is open";
   } catch (const WorkerError& e) {
     EXPECT_EQ(e.code(), ErrorCode::kBusy);
   }
   EXPECT_EQ(first->AbortUpdate("one").stage, UpdateStage::kAborted);
   EXPECT_EQ(second->PushWeights(NewPolicy().weights, 2).version, 2u);
+
+  // By default a busy begin is sent again for up to busy_wait_ms: the push goes through once
+  // the other update is over.
+  first->SendFrames({BeginHeader("three", 3, {TensorEntry("model.norm.weight", {64}, 256)}).Bytes()});
+  EXPECT_EQ(NextAs<UpdateAckMsg>(*first).stage, UpdateStage::kBegun);
+  std::thread aborter([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    EXPECT_EQ(first->AbortUpdate("three").stage, UpdateStage::kAborted);
+  });
+  const auto t0 = Clock::now();
+  EXPECT_EQ(second->PushWeights(NewPolicy().weights, 4).version, 4u);
+  aborter.join();
+  EXPECT_GE(Clock::now() - t0, std::chrono::milliseconds(250));  // it did wait for the abort
 }
 
 // An update belongs to the connection that began it: another connection's chunk, commit, apply
