@@ -230,18 +230,41 @@ void Client::Generate(const std::vector<rollout::Request>& requests,
     int n = 0;
     int num_received = 0;
     bool settled = false;  // accepted or refused
+    bool refused = false;
+    PolicyVersion min_policy_version = 0;
   };
   std::unordered_map<std::string, Pending> pending;  // by generate message id
   for (const rollout::Request& r : requests) {
     const std::string id = NextId("g");
     Send(GenerateMsg{id, r});
-    pending[id].n = r.n;
+    Pending& p = pending[id];
+    p.n = r.n;
+    p.min_policy_version = r.min_policy_version;
   }
   size_t num_unsettled = requests.size();
   int64_t num_outstanding = 0;  // samples of accepted requests not received yet
   std::optional<ErrorMsg> first_error;
+  // timeout_ms runs from the last reply to one of these requests. The worker's liveness probe (a
+  // health reply with an empty id, every --heartbeat-ms while it holds requests of this client)
+  // shows that the process is alive, not that its engine progresses: it restarts the wait only
+  // while every unfinished request waits on a min_policy_version above the worker's version
+  // (those make no progress by design), so a paused or stuck engine still times out. Replies to
+  // other messages (a previous call's samples) restart nothing.
+  const auto waits_for_version = [&](PolicyVersion version) {
+    bool any = false;
+    for (const auto& [id, p] : pending) {
+      if (p.refused || (p.settled && p.num_received >= p.n)) continue;  // refused or finished
+      if (p.min_policy_version <= version) return false;
+      any = true;
+    }
+    return any;
+  };
+  Clock::time_point deadline = Clock::now() + std::chrono::milliseconds(impl_->options.timeout_ms);
   while (num_unsettled > 0 || num_outstanding > 0) {
-    std::optional<WorkerMessage> reply = Receive(impl_->options.timeout_ms);
+    const int64_t left =
+        std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
+    std::optional<WorkerMessage> reply;
+    if (left > 0) reply = Receive(left);
     if (!reply) {
       throw TransportError(fmt::format("generate: no reply from {} within {} ms ({} requests unanswered, {} samples "
                                        "outstanding)", endpoint_, impl_->options.timeout_ms, num_unsettled,
@@ -249,9 +272,14 @@ void Client::Generate(const std::vector<rollout::Request>& requests,
     }
     auto it = pending.find(MessageId(*reply));
     if (it == pending.end()) {
+      const auto* probe = std::get_if<HealthMsg>(&*reply);
+      if (probe != nullptr && probe->id.empty() && waits_for_version(probe->policy_version)) {
+        deadline = Clock::now() + std::chrono::milliseconds(impl_->options.timeout_ms);
+      }
       Logger("transport").debug("client: skipping a {} reply for '{}'", TypeName(*reply), MessageId(*reply));
       continue;
     }
+    deadline = Clock::now() + std::chrono::milliseconds(impl_->options.timeout_ms);
     Pending& p = it->second;
     if (std::holds_alternative<AcceptedMsg>(*reply) && !p.settled) {
       p.settled = true;
@@ -259,6 +287,7 @@ void Client::Generate(const std::vector<rollout::Request>& requests,
       num_outstanding += p.n - p.num_received;
     } else if (auto* error = std::get_if<ErrorMsg>(&*reply); error && !p.settled) {
       p.settled = true;
+      p.refused = true;
       --num_unsettled;
       if (!first_error) first_error = std::move(*error);
     } else if (auto* sample = std::get_if<SampleMsg>(&*reply)) {

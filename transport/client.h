@@ -35,6 +35,10 @@ struct ClientOptions {
   std::string curve_public_key;
   std::string curve_secret_key;
   /// How long a call waits for each reply it expects (and a send for room in the queue), ms.
+  /// Generate: how long it waits without a reply to one of its requests; the worker's liveness
+  /// probe counts only while every unfinished request waits on a min_policy_version above the
+  /// worker's version (such requests make no progress by design), so a paused or stuck engine
+  /// still times out.
   int64_t timeout_ms = 60000;
   /// How long messages still queued at Close/destruction may take to go out, ms.
   int linger_ms = 1000;

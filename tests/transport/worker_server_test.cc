@@ -16,6 +16,7 @@
 #include <cstring>
 #include <fstream>
 #include <functional>
+#include <future>
 #include <limits>
 #include <map>
 #include <random>
@@ -774,6 +775,52 @@ TEST(WorkerServerTest, ACrashedTrainersOpenUpdateIsDiscardedWhenAnotherTrainerBe
 }
 
 // ---- Weight updates ----------------------------------------------------------------------------------
+
+TEST(WorkerServerTest, ClientGenerateTimesOutOnAStuckEngineDespiteProbesButWaitsOnAFutureVersion) {
+  // The worker probes a client with unfinished requests every heartbeat_ms (100 here), far more
+  // often than the client's timeout (600 ms). A probe shows the process is alive, not that the
+  // engine progresses: on a paused engine, Generate must still time out. A request waiting on a
+  // min_policy_version the worker has not reached makes no progress by design: there the probes
+  // keep Generate waiting, here 1.5 s, until the version arrives.
+  WorkerConfig config;
+  config.heartbeat_ms = 100;
+  WorkerHarness worker(config);
+  auto trainer = Connect(worker.endpoint());
+  ClientOptions options;
+  options.timeout_ms = 600;
+  {
+    trainer->Pause();
+    auto client = Connect(worker.endpoint(), options);
+    const Clock::time_point t0 = Clock::now();
+    std::future<std::string> outcome = std::async(std::launch::async, [&]() -> std::string {
+      try {
+        client->Generate({MakeRequest("stuck", {1, 5, 6}, 4)});
+        return "returned";
+      } catch (const TransportError& e) {
+        return e.what();
+      }
+    });
+    const bool done = outcome.wait_for(std::chrono::seconds(5)) == std::future_status::ready;
+    const double seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+    trainer->Resume();  // lets a Generate that missed its timeout finish, so the test ends
+    ASSERT_TRUE(done) << "Generate still waiting on a paused engine after 5 s (probes restarted its timeout)";
+    EXPECT_NE(outcome.get().find("no reply"), std::string::npos);
+    EXPECT_GE(seconds, 0.55);
+  }
+  auto client = Connect(worker.endpoint(), options);
+  Request r = MakeRequest("next-version", {1, 5, 6}, 4);
+  r.min_policy_version = 1;
+  std::thread push([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+    trainer->PushWeights(NewPolicy().weights, 1);
+  });
+  std::vector<SampleResult> samples;
+  EXPECT_NO_THROW(samples = client->Generate({r}));
+  push.join();
+  ASSERT_EQ(samples.size(), 1u);
+  EXPECT_EQ(samples[0].policy_version, 1u);
+  EXPECT_EQ(samples[0].output_ids.size(), 4u);
+}
 
 TEST(WorkerServerTest, AWeightPushIsAcknowledgedWithItsChecksumAndNextSamplesCarryItsVersion) {
   WorkerHarness worker;
