@@ -29,13 +29,14 @@ void Scheduler::AddRequest(std::shared_ptr<RequestState> request) {
 }
 
 bool Scheduler::PreemptNewest(const Sequence* keep) {
-  // Newest = latest arrival (ties: highest sequence id), among sequences not yet in this plan.
+  // Newest = latest arrival (ties: highest sequence id), among sequences not yet in this plan
+  // and `keep` itself: when `keep` is the newest, nothing else is preempted for it.
   Sequence* victim = nullptr;
   for (const auto& s : running_) {
-    if (s.get() == keep || s->planned) continue;
+    if (s.get() != keep && s->planned) continue;
     if (victim == nullptr || std::tie(s->arrival, s->id) > std::tie(victim->arrival, victim->id)) victim = s.get();
   }
-  if (victim == nullptr) return false;
+  if (victim == nullptr || victim == keep) return false;
   Requeue(victim, RequeueReason::kPreempted);
   return true;
 }
@@ -224,7 +225,13 @@ void Scheduler::Requeue(Sequence* seq, RequeueReason reason) {
     running_.erase(it);
     if (kv_->HasSequence(seq->id)) kv_->Release(seq->id);
     seq->status = SequenceStatus::kWaiting;
-    waiting_.push_front(std::move(owned));
+    // The waiting queue stays in arrival order (ties: sequence id): the requeued sequence goes
+    // before every newer one, so however many are requeued, and in whatever order, the oldest
+    // is readmitted first.
+    auto at = std::find_if(waiting_.begin(), waiting_.end(), [seq](const auto& w) {
+      return std::tie(w->arrival, w->id) > std::tie(seq->arrival, seq->id);
+    });
+    waiting_.insert(at, std::move(owned));
   }
   VROLL_CHECK(seq->status == SequenceStatus::kWaiting, "requeue of sequence {} that is neither running nor waiting",
               seq->id);

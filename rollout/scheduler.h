@@ -5,9 +5,9 @@
 // One step's plan, in priority order, under a token budget (max_num_batched_tokens):
 //   1. decodes: each running sequence with all its tokens computed contributes 1 token; it needs
 //      one more KV slot, and when none is left the NEWEST running sequence is preempted
-//      (recompute: its blocks are released and it goes back to the front of the waiting queue
-//      with prompt + tokens so far), repeatedly, until the slot fits or the sequence itself was
-//      the newest;
+//      (recompute: its blocks are released and it goes back to the waiting queue, ahead of
+//      every later arrival, with prompt + tokens so far), repeatedly, until the slot fits or the
+//      sequence itself is the newest (then it is the one preempted);
 //   2. prefill chunks of running sequences whose prompt is not fully computed yet;
 //   3. admissions from the waiting queue, FIFO, when this step preempted nothing: a request is
 //      admitted when KvCacheManager::Allocate succeeds (free blocks minus a watermark); cached
@@ -111,8 +111,8 @@ class Scheduler {
     kRecompute,  ///< weight update "continue": recompute prompt + output under the new weights
     kRestart,    ///< weight update "restart": drop the output and start over
   };
-  /// Releases `seq`'s KV (if running) and puts it at the front of the waiting queue (if not
-  /// there already) to be recomputed; kRestart also drops its output, logprobs and version spans
+  /// Releases `seq`'s KV (if running) and puts it in the waiting queue (if not there already)
+  /// before every sequence that arrived after it, to be recomputed; kRestart also drops its output, logprobs and version spans
   /// and restarts its generator.
   void Requeue(Sequence* seq, RequeueReason reason);
   /// Ends a running or waiting sequence with `reason`, releasing its KV; returns its result,
@@ -125,7 +125,8 @@ class Scheduler {
   int64_t num_preemptions() const { return num_preemptions_; }
 
  private:
-  /// Moves the newest running sequence (not in `keep`) to the waiting queue. False if none.
+  /// Moves the newest running sequence not yet planned this step to the waiting queue. False if
+  /// there is none, or if `keep` (which needs the room) is itself the newest.
   bool PreemptNewest(const Sequence* keep);
   void RemoveRunning(Sequence* seq);
   bool IsStop(const Sequence& seq, TokenId token) const;

@@ -36,7 +36,7 @@ struct Sequence {
   /// Samples still to fork from this sequence when its prompt completes: n - 1 for a new
   /// group, 0 after forking and for single samples.
   int num_forks_pending = 0;
-  uint64_t arrival;  ///< admission order; the largest is the "newest" (preempted first)
+  uint64_t arrival;  ///< submission order (a group's samples share it); the largest is the "newest" (preempted first)
   SequenceStatus status = SequenceStatus::kWaiting;
   bool planned = false;  ///< in the step plan being built (Scheduler::Schedule only)
   bool was_admitted = false;  ///< admitted at least once (then "in flight" until finished)
