@@ -149,6 +149,19 @@ void Engine::AbortAll() {
   std::vector<std::string> ids;
   for (const auto& [id, state] : live_) ids.push_back(id);
   for (const std::string& id : ids) Emit(scheduler_->AbortRequest(id, FinishReason::kAborted));
+  // A weight update submitted and not applied is refused, so that its submitter hears back and
+  // may reuse its staging: one taken at a safe point (e.g. draining), then one still in the inbox.
+  std::optional<PendingUpdate> inbox;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    inbox.swap(update_inbox_);
+  }
+  for (std::optional<PendingUpdate>* pending : {&update_, &inbox}) {
+    if (!pending->has_value()) continue;
+    PendingUpdate u = std::move(**pending);
+    pending->reset();
+    RefuseUpdate(u, "engine stopped before the update was applied");
+  }
 }
 
 std::string Engine::ContextMessage(size_t num_prompt_tokens) const {
@@ -351,6 +364,13 @@ bool Engine::SafePoint() {
   }
   if (!update_) return true;
   PendingUpdate& u = *update_;
+  if (u.staging->pending_version() <= version_.load()) {
+    // Refused before any in-flight sequence is drained, aborted, restarted or recomputed for it.
+    RefuseUpdate(u, fmt::format("update to version {} refused: version {} is already in use",
+                                u.staging->pending_version(), version_.load()));
+    update_.reset();
+    return true;
+  }
   // Paused, running sequences cannot finish: a drain becomes a restart (said in the ack's counts).
   const InFlightMode mode = (u.mode == InFlightMode::kDrain && paused) ? InFlightMode::kRestart : u.mode;
   UpdateResult counts;
@@ -385,32 +405,41 @@ bool Engine::SafePoint() {
   return true;
 }
 
+void Engine::RefuseUpdate(PendingUpdate& u, std::string error) {
+  UpdateResult ack;
+  ack.mode = u.mode;
+  ack.wait_ms = std::chrono::duration<double, std::milli>(Clock::now() - u.submitted).count();
+  ack.version = version_.load();
+  ack.error = std::move(error);
+  u.staging->Abort();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    update_pending_ = false;
+  }
+  Logger("rollout").warn("weight update refused: {}", ack.error);
+  if (u.on_done) u.on_done(std::move(ack));
+}
+
 void Engine::ApplyUpdate(PendingUpdate& u, UpdateResult ack) {
   const auto t0 = Clock::now();
   ack.mode = u.mode;
   ack.wait_ms = std::chrono::duration<double, std::milli>(t0 - u.submitted).count();
-  const PolicyVersion new_version = u.staging->pending_version();
-  if (new_version <= version_.load()) {
-    ack.error = fmt::format("update to version {} refused: version {} is already in use", new_version, version_.load());
-    ack.version = version_.load();
-    u.staging->Abort();
-  } else {
-    // One critical section on the engine thread: weights, version and prefix cache move together.
-    runner_->ApplyWeights(u.staging->verified(), u.staging->transaction_id());
-    {
-      // A bound staging staged into the spares, which the swap just made the model's weights: it
-      // stages the next update into the new spares (the old weights' memory).
-      std::lock_guard<std::mutex> lock(staging_mu_);
-      spare_buffers_ = runner_->StagingBuffers();
-      if (bound_staging_.lock().get() == u.staging) u.staging->UseValueBuffers(spare_buffers_);
-    }
-    version_.store(new_version);
-    kv_->Invalidate(new_version);
-    ack.weights_checksum = runner_->WeightsChecksum();
-    ack.version = new_version;
-    ack.ok = true;
-    u.staging->Finish();
+  const PolicyVersion new_version = u.staging->pending_version();  // > version_: SafePoint checked
+  // One critical section on the engine thread: weights, version and prefix cache move together.
+  runner_->ApplyWeights(u.staging->verified(), u.staging->transaction_id());
+  {
+    // A bound staging staged into the spares, which the swap just made the model's weights: it
+    // stages the next update into the new spares (the old weights' memory).
+    std::lock_guard<std::mutex> lock(staging_mu_);
+    spare_buffers_ = runner_->StagingBuffers();
+    if (bound_staging_.lock().get() == u.staging) u.staging->UseValueBuffers(spare_buffers_);
   }
+  version_.store(new_version);
+  kv_->Invalidate(new_version);
+  ack.weights_checksum = runner_->WeightsChecksum();
+  ack.version = new_version;
+  ack.ok = true;
+  u.staging->Finish();
   ack.stall_ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -418,13 +447,12 @@ void Engine::ApplyUpdate(PendingUpdate& u, UpdateResult ack) {
   }
   PublishStats();
   Logger("rollout").info(
-      "weight update {}: version {} ({}; drained {}, aborted {}, restarted {}, recomputed {}; waited {:.1f} ms, "
+      "weight update applied: version {} ({}; drained {}, aborted {}, restarted {}, recomputed {}; waited {:.1f} ms, "
       "stall {:.2f} ms{}, checksum {:016x})",
-      ack.ok ? "applied" : "refused", ack.version, InFlightModeName(ack.mode), ack.num_drained, ack.num_aborted,
-      ack.num_restarted, ack.num_recomputed, ack.wait_ms, ack.stall_ms,
-      !ack.ok ? "" : runner_->last_apply_prepacked()
-                         ? fmt::format(", packed while staging in {:.1f} ms", runner_->last_prepack_ms())
-                         : std::string(", repacked here"),
+      ack.version, InFlightModeName(ack.mode), ack.num_drained, ack.num_aborted, ack.num_restarted,
+      ack.num_recomputed, ack.wait_ms, ack.stall_ms,
+      runner_->last_apply_prepacked() ? fmt::format(", packed while staging in {:.1f} ms", runner_->last_prepack_ms())
+                                      : std::string(", repacked here"),
       ack.weights_checksum);
   if (u.on_done) u.on_done(std::move(ack));
 }

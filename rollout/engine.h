@@ -138,7 +138,9 @@ class Engine {
 
   /// Starts the engine thread.
   void Start();
-  /// Stops the engine thread after the current step; unfinished samples get "aborted" results.
+  /// Stops the engine thread after the current step; unfinished samples get "aborted" results,
+  /// and a submitted weight update not yet applied is acknowledged as refused (its staging
+  /// aborted), so every on_done is called.
   void Stop();
 
   /// Validates and queues `request`; `on_result` is called once per sample, on the engine thread,
@@ -176,7 +178,10 @@ class Engine {
   /// a swap of prepared buffers for the bound staging, else copy and repack), bumps the
   /// version and invalidates the prefix cache in one critical section, then calls `on_done` (on
   /// the engine thread) with the acknowledgement. `staging` must be verified and left untouched
-  /// until `on_done` runs; the engine calls staging->Finish() before it. Refused (returned, and
+  /// until `on_done` runs; the engine calls staging->Finish() before it. An update whose version
+  /// is not above the version in use by then is refused in its acknowledgement (staging aborted)
+  /// before any in-flight sequence is touched; so is one still pending at Stop(), on the
+  /// stopping thread. Refused (returned, and
   /// `on_done` not called): kInvalid when the staging is not verified or holds a NaN/infinite
   /// weight (the error names the tensor and element; VerifiedTensor::first_nonfinite, so this
   /// reads no weights), kOverloaded when another update is pending.
@@ -224,6 +229,8 @@ class Engine {
   bool SafePoint();
   /// Swaps the weights, bumps the version and invalidates the prefix cache; acknowledges.
   void ApplyUpdate(PendingUpdate& update, UpdateResult ack);
+  /// Aborts the update's staging and acknowledges it as refused with `error`; nothing changes.
+  void RefuseUpdate(PendingUpdate& update, std::string error);
   void PublishStats();
   void Emit(std::vector<SampleResult> results);
   void AbortAll();

@@ -302,6 +302,119 @@ TEST_F(PolicyVersionTest, SamplesWithoutTokensCarryTheVersionTheyFinishedUnder) 
   e.Stop();
 }
 
+/// A staging of `engine` holding all of `weights` (fp32) as `version`, verified against
+/// `current_version`.
+std::shared_ptr<policy::WeightUpdateStaging> VerifiedStaging(Engine& engine, const WeightMap& weights,
+                                                             PolicyVersion version, PolicyVersion current_version) {
+  auto staging = engine.MakeStaging();
+  policy::UpdateManifest manifest;
+  manifest.version = version;
+  for (const auto& [name, t] : weights) {
+    const size_t bytes = t.data.size() * sizeof(float);
+    manifest.tensors.push_back(
+        {name, policy::DType::kF32, t.shape, bytes, policy::TensorChecksum(t.data.data(), bytes)});
+  }
+  EXPECT_TRUE(staging->Begin(manifest, current_version).ok());
+  for (const auto& [name, t] : weights) {
+    EXPECT_TRUE(staging->Write(name, 0, t.data.data(), t.data.size() * sizeof(float)).ok());
+  }
+  EXPECT_TRUE(staging->Verify().ok());
+  return staging;
+}
+
+TEST_F(PolicyVersionTest, AnUpdateStaleByTheTimeItIsAppliedIsRefusedWithoutTouchingInFlightSequences) {
+  // Two trainers stage version 1 against version 0; the first is applied. The second, submitted
+  // in abort mode while greedy requests run, must be refused as stale before it aborts anything:
+  // every request then finishes as it would have without it.
+  const WeightMap v1 = Perturbed(base_, 31);
+  std::vector<Request> requests;
+  for (int i = 0; i < 6; ++i) requests.push_back(MakeRequest("r" + std::to_string(i), Prompt(8 + i, 40 + i), 40, 0.0));
+  Engine reference(base_, config_);
+  ASSERT_TRUE(reference.UpdateWeights(v1, 1).ok);
+  const std::vector<SampleResult> want = reference.Generate(requests);
+
+  Engine e(base_, config_);
+  auto stale = VerifiedStaging(e, Perturbed(base_, 32), 1, 0);
+  ASSERT_TRUE(e.UpdateWeights(v1, 1).ok);
+  std::vector<SampleResult> got;
+  for (const Request& r : requests) {
+    ASSERT_TRUE(e.Submit(r, [&](SampleResult s) { got.push_back(std::move(s)); }).ok());
+  }
+  for (int i = 0; i < 5; ++i) e.Step();  // in flight
+  ASSERT_GT(e.stats().num_running, 0);
+  std::optional<UpdateResult> ack;
+  ASSERT_TRUE(e.SubmitUpdate(stale.get(), InFlightMode::kAbort, [&](UpdateResult r) { ack = std::move(r); }).ok());
+  while (e.Step()) {
+  }
+  ASSERT_TRUE(ack.has_value());
+  EXPECT_FALSE(ack->ok);
+  EXPECT_NE(ack->error.find("already in use"), std::string::npos) << ack->error;
+  EXPECT_EQ(ack->num_aborted, 0);
+  EXPECT_EQ(ack->version, 1u);
+  EXPECT_EQ(stale->state(), policy::WeightUpdateStaging::State::kIdle);
+  EXPECT_EQ(e.policy_version(), 1u);
+  std::sort(got.begin(), got.end(), [](const SampleResult& a, const SampleResult& b) { return a.request_id < b.request_id; });
+  ASSERT_EQ(got.size(), want.size());
+  for (size_t i = 0; i < got.size(); ++i) {
+    EXPECT_EQ(got[i].finish_reason, FinishReason::kLength) << got[i].request_id;
+    EXPECT_EQ(got[i].output_ids, want[i].output_ids) << got[i].request_id;
+    EXPECT_EQ(got[i].policy_version, 1u);
+  }
+}
+
+TEST_F(PolicyVersionTest, StopAcknowledgesAnUpdateNotYetAppliedAsRefused) {
+  const WeightMap v1 = Perturbed(base_, 33);
+  {
+    // Submitted to an engine whose thread never ran: the update waits in the inbox.
+    Engine e(base_, config_);
+    auto staging = VerifiedStaging(e, v1, 1, 0);
+    std::optional<UpdateResult> ack;
+    ASSERT_TRUE(e.SubmitUpdate(staging.get(), InFlightMode::kDrain, [&](UpdateResult r) { ack = std::move(r); }).ok());
+    e.Stop();
+    ASSERT_TRUE(ack.has_value()) << "Stop() left a submitted update unanswered";
+    EXPECT_FALSE(ack->ok);
+    EXPECT_NE(ack->error.find("engine stopped"), std::string::npos) << ack->error;
+    EXPECT_EQ(staging->state(), policy::WeightUpdateStaging::State::kIdle);
+    EXPECT_EQ(e.policy_version(), 0u);
+    // Nothing is left pending: a new update goes through (run on this thread).
+    EXPECT_TRUE(e.UpdateWeights(v1, 1).ok);
+  }
+  {
+    // Taken by the engine thread and draining long generations (32 x 240 tokens: ~10x longer
+    // than the 20 ms before Stop() even on a fast machine) when Stop() comes.
+    Engine e(base_, config_);
+    e.Start();
+    std::mutex mu;
+    std::vector<SampleResult> results;
+    for (int i = 0; i < 32; ++i) {
+      ASSERT_TRUE(e.Submit(MakeRequest("long" + std::to_string(i), Prompt(10, 70 + i), 240), [&](SampleResult r) {
+                     std::lock_guard<std::mutex> lock(mu);
+                     results.push_back(std::move(r));
+                   }).ok());
+    }
+    for (int i = 0; i < 2000 && e.stats().num_generated_tokens < 32; ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    auto staging = VerifiedStaging(e, v1, 1, 0);
+    std::atomic<bool> acked{false};
+    UpdateResult ack;
+    ASSERT_TRUE(e.SubmitUpdate(staging.get(), InFlightMode::kDrain, [&](UpdateResult r) {
+                   ack = std::move(r);
+                   acked = true;
+                 }).ok());
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    e.Stop();
+    ASSERT_TRUE(acked.load()) << "Stop() left a draining update unanswered";
+    EXPECT_FALSE(ack.ok);
+    EXPECT_NE(ack.error.find("engine stopped"), std::string::npos) << ack.error;
+    EXPECT_EQ(e.policy_version(), 0u);
+    ASSERT_EQ(results.size(), 32u);
+    int num_aborted = 0;
+    for (const SampleResult& r : results) num_aborted += r.finish_reason == FinishReason::kAborted;
+    EXPECT_GT(num_aborted, 0);
+  }
+}
+
 TEST_F(PolicyVersionTest, PausedEngineStillAppliesUpdatesWithoutDeadlock) {
   Engine e(base_, config_);
   e.Start();
