@@ -45,6 +45,7 @@ int main(int argc, char** argv) {
   vroll::EnsureFastBlas(argc, argv);
   std::string model_path, tokenizer_path, prompt, device_name = "cpu";
   vroll::rollout::SamplingParams params;
+  uint64_t seed = 0;
   params.max_new_tokens = 256;
   int threads = 0;
   CLI::App app{"vroll-generate: generate text with a Llama policy.\n"
@@ -56,7 +57,7 @@ int main(int argc, char** argv) {
   app.add_option("--temperature", params.temperature, "0 = greedy")->capture_default_str()->check(vroll::examples::NumberAtLeast(0));
   app.add_option("--top-p", params.top_p, "nucleus sampling mass in (0, 1]")->capture_default_str();
   app.add_option("--top-k", params.top_k, "keep the k most likely tokens (0 = off)")->capture_default_str();
-  app.add_option("--seed", params.seed, "random seed")->capture_default_str();
+  app.add_option("--seed", seed, "random seed")->capture_default_str();
   app.add_option("--device", device_name, "torch device (cpu, cuda, cuda:1, ...)")->capture_default_str();
   app.add_option("--threads", threads, "intra-op threads (0 = all cores)")->capture_default_str()->check(vroll::examples::IntAtLeast(0));
   CLI11_PARSE(app, argc, argv);
@@ -103,7 +104,7 @@ int main(int argc, char** argv) {
     if (static_cast<int>(tokens.size()) >= max_len) {
       throw std::invalid_argument(fmt::format("--prompt is {} tokens; the model's context is {}", tokens.size(), max_len));
     }
-    vroll::rollout::SequenceRng rng(params.seed, 0);
+    vroll::rollout::SequenceRng rng(seed, 0);
     std::vector<float> scratch;
 
     // Prefill the whole prompt in one step, then decode one token per step.

@@ -28,9 +28,8 @@ struct SamplingParams {
   /// Whether the stop token itself (and its logprob) is part of the output. Default true: an RL
   /// trainer must see, and train, the decision to stop.
   bool include_stop_token = true;
-  /// Seed of the sample's random generator; sample i of a request draws from stream
-  /// (seed, i), so results do not depend on what else is in the batch.
-  uint64_t seed = 0;
+  // The seed is Request::seed (the wire's sampling.seed): sample i of a request draws from
+  // stream (seed, i), so results do not depend on what else is in the batch.
 
   /// Throws std::invalid_argument naming the field: temperature not 0 nor in [kMinTemperature, inf), top_p
   /// outside (0, 1], top_k < 0, max_new_tokens < 1, a stop token outside [0, vocab_size)

@@ -24,8 +24,9 @@ std::vector<double> Softmax(const std::vector<float>& logits, double t) {
 }
 
 /// Empirical frequencies of `draws` samples.
-std::vector<double> Frequencies(const std::vector<float>& logits, const SamplingParams& params, int draws) {
-  SequenceRng rng(params.seed, 0);
+std::vector<double> Frequencies(const std::vector<float>& logits, const SamplingParams& params, int draws,
+                                uint64_t seed) {
+  SequenceRng rng(seed, 0);
   std::vector<float> scratch;
   std::vector<double> freq(logits.size(), 0);
   for (int i = 0; i < draws; ++i) {
@@ -49,16 +50,16 @@ TEST(SamplerTest, GreedyPicksTheFirstMaximumAndReportsTemperatureOneLogprob) {
 TEST(SamplerTest, FrequenciesMatchSoftmaxOfScaledLogits) {
   SamplingParams p;
   p.temperature = 0.7;
-  p.seed = 3;
-  const std::vector<double> want = Softmax(kLogits, 0.7), got = Frequencies(kLogits, p, 200000);
+  const uint64_t seed = 3;
+  const std::vector<double> want = Softmax(kLogits, 0.7), got = Frequencies(kLogits, p, 200000, seed);
   for (size_t i = 0; i < want.size(); ++i) EXPECT_NEAR(got[i], want[i], 0.005) << i;
 }
 
 TEST(SamplerTest, TopKKeepsTheKMostLikelyRenormalized) {
   SamplingParams p;
   p.top_k = 3;  // ids 1, 3 (2.5) and 5 (1.7)
-  p.seed = 4;
-  const std::vector<double> full = Softmax(kLogits, 1.0), got = Frequencies(kLogits, p, 200000);
+  const uint64_t seed = 4;
+  const std::vector<double> full = Softmax(kLogits, 1.0), got = Frequencies(kLogits, p, 200000, seed);
   const double mass = full[1] + full[3] + full[5];
   for (int i : {0, 2, 4}) EXPECT_EQ(got[i], 0.0) << i;
   for (int i : {1, 3, 5}) EXPECT_NEAR(got[i], full[i] / mass, 0.005) << i;
@@ -66,15 +67,15 @@ TEST(SamplerTest, TopKKeepsTheKMostLikelyRenormalized) {
 
 TEST(SamplerTest, TopPKeepsTheSmallestNucleus) {
   SamplingParams p;
-  p.seed = 5;
+  const uint64_t seed = 5;
   const std::vector<double> full = Softmax(kLogits, 1.0);
   p.top_p = (full[1] + full[3]) * 1.001;  // needs ids 1, 3 and then 5 to reach it
-  std::vector<double> got = Frequencies(kLogits, p, 200000);
+  std::vector<double> got = Frequencies(kLogits, p, 200000, seed);
   const double mass = full[1] + full[3] + full[5];
   for (int i : {0, 2, 4}) EXPECT_EQ(got[i], 0.0) << i;
   for (int i : {1, 3, 5}) EXPECT_NEAR(got[i], full[i] / mass, 0.005) << i;
   p.top_p = (full[1] + full[3]) * 0.999;  // ids 1 and 3 suffice
-  got = Frequencies(kLogits, p, 50000);
+  got = Frequencies(kLogits, p, 50000, seed);
   EXPECT_EQ(got[5], 0.0);
   EXPECT_NEAR(got[1] + got[3], 1.0, 1e-12);
 }
