@@ -14,8 +14,11 @@ class SamplingParams:
 
     Attributes:
       temperature: softmax temperature, >= 0; 0 is greedy (argmax, lowest id on ties).
-      top_p: nucleus mass in (0, 1]; 1 disables it.
-      top_k: keep the k most likely tokens; 0 disables it.
+      top_p: nucleus mass in (0, 1]; 1 disables it. Applied after top_k, to the renormalized
+        probabilities, as vLLM does.
+      top_k: keep the k most likely tokens; 0 disables it. Tokens of exactly equal probability
+        rank by lower id, so exactly k are kept (vLLM keeps every token tied with the k-th); the
+        nucleus of top_p is cut the same way.
       max_tokens: generated tokens per sample, >= 1 (the protocol's ``max_new_tokens``).
       stop_token_ids: generating one of these ends the sample with finish reason ``stop``.
       include_stop_token: whether the stop token (and its logprob) is part of the output.
