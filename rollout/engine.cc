@@ -125,12 +125,18 @@ Engine::Engine(const policy::Checkpoint& checkpoint, const EngineConfig& config)
 Engine::~Engine() { Stop(); }
 
 void Engine::Start() {
-  if (thread_.joinable()) return;
   {
     std::lock_guard<std::mutex> lock(mu_);
+    if (threaded_) return;
     stop_ = false;
+    threaded_ = true;
   }
   thread_ = std::thread([this] { Loop(); });
+}
+
+bool Engine::Threaded() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return threaded_;
 }
 
 void Engine::Stop() {
@@ -140,6 +146,10 @@ void Engine::Stop() {
   }
   cv_.notify_all();
   if (thread_.joinable()) thread_.join();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    threaded_ = false;
+  }
   // The engine thread is gone: this thread owns the engine now.
   AbortAll();
 }
@@ -204,7 +214,7 @@ SubmitStatus Engine::Submit(Request request, ResultCallback on_result) {
   if (!status.ok()) return status;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (stop_ && thread_.joinable()) return {SubmitStatus::Code::kStopped, "engine is stopping"};
+    if (stop_ && threaded_) return {SubmitStatus::Code::kStopped, "engine is stopping"};
     if (num_pending_ >= config_.max_pending_requests) {
       return {SubmitStatus::Code::kOverloaded,
               fmt::format("overloaded: {} requests pending (max_pending_requests)", num_pending_)};
@@ -530,7 +540,7 @@ UpdateResult Engine::UpdateWeights(const policy::WeightMap& weights, PolicyVersi
     cv.notify_all();
   });
   if (!submitted.ok()) return refuse(submitted.error);
-  if (thread_.joinable()) {
+  if (Threaded()) {
     std::unique_lock<std::mutex> lock(mu);
     cv.wait(lock, [&] { return result.has_value(); });
   } else {
@@ -616,7 +626,7 @@ std::vector<SampleResult> Engine::Generate(const std::vector<Request>& requests)
     });
     if (!s.ok()) throw std::invalid_argument(fmt::format("request '{}' refused: {}", r.request_id, s.error));
   }
-  if (thread_.joinable()) {
+  if (Threaded()) {
     std::unique_lock<std::mutex> lock(mu);
     cv.wait(lock, [&] { return results.size() >= expected; });
   } else {

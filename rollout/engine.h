@@ -136,7 +136,8 @@ class Engine {
   Engine(const policy::Checkpoint& checkpoint, const EngineConfig& config);
   ~Engine();  ///< stops the thread; unfinished samples end with finish reason "aborted"
 
-  /// Starts the engine thread.
+  /// Starts the engine thread. Start and Stop are called from one controlling thread (Submit,
+  /// Abort, Generate, SubmitUpdate and UpdateWeights may run on others meanwhile).
   void Start();
   /// Stops the engine thread after the current step; unfinished samples get "aborted" results,
   /// and a submitted weight update not yet applied is acknowledged as refused (its staging
@@ -234,6 +235,7 @@ class Engine {
   void PublishStats();
   void Emit(std::vector<SampleResult> results);
   void AbortAll();
+  bool Threaded() const;  // threaded_, read under mu_ (thread_ itself is Start/Stop's only)
   SubmitStatus Validate(const Request& request) const;
 
   // Immutable after construction.
@@ -268,6 +270,7 @@ class Engine {
   int num_pending_ = 0;   // accepted and not finished (bounded by max_pending_requests)
   std::unordered_map<std::string, int> pending_ids_;  // live request ids (duplicate check)
   bool stop_ = false;
+  bool threaded_ = false;  // between Start() and the end of Stop(): the engine thread owns the engine
   bool paused_ = false;
   bool flush_requested_ = false;
   std::optional<PendingUpdate> update_inbox_;
