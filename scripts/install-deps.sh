@@ -14,6 +14,7 @@ PACKAGES=(
   nlohmann-json3-dev
   libcli11-dev
   python3-torch python3-zmq python3-msgpack python3-numpy python3-matplotlib python3-xxhash
+  python3-pip python3-setuptools
 )
 
 missing=()
