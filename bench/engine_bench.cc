@@ -135,7 +135,11 @@ int main(int argc, char** argv) {
   app.add_option("--only", only, "run only models whose name contains this (e.g. 15M)");
   app.add_flag("--skip-grpo", skip_grpo, "skip the GRPO workload");
   app.add_flag("--plot", plot, "write a PNG with matplotlib (Debian's /usr/bin/python3)");
+  std::string kv_cache_dtype = "float32";
+  app.add_option("--kv-cache-dtype", kv_cache_dtype, "KV cache element type: float32, float16 or bfloat16")
+      ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
+  const vroll::cache::KvCacheDtype kv_dtype = vroll::cache::ParseKvCacheDtype(kv_cache_dtype);
   vroll::ConfigureThreads(0);
   // The reference rate: the best of BLAS (512^3 GEMM, best of several self-checks) and vroll's own
   // kernel on a large shape, so the fraction is against the fastest GEMM this machine showed.
@@ -190,6 +194,7 @@ int main(int argc, char** argv) {
       EngineConfig config;
       config.max_num_seqs = std::max(b, 1);
       config.kv_cache_bytes = int64_t{1} << 30;
+      config.kv_cache_dtype = kv_dtype;
       BatchRow row;
       row.model = name;
       row.batch = b;
@@ -220,6 +225,7 @@ int main(int argc, char** argv) {
     EngineConfig config;
     config.max_num_seqs = num_prompts * group;
     config.kv_cache_bytes = int64_t{2} << 30;
+    config.kv_cache_dtype = kv_dtype;
     GrpoRow row;
     row.model = name;
     row.r = Run(ckpt, config, MakeRequests(num_prompts, group, 64, new_tokens, ckpt.config.vocab_size, 2, 1.0));
@@ -235,7 +241,8 @@ int main(int argc, char** argv) {
   std::printf("\nGEMM rate measured in this run: %.1f GFLOP/s, the highest of %d measurements (lowest %.1f; at the "
               "start: best of BLAS 512^3: %.1f, vroll kernel 512x1024x1024: %.1f; then after each workload; %s)\n",
               rate, reference.count, reference.lowest, blas_gflops, kernel_gflops, blas.library.c_str());
-  std::printf("\n## Decode throughput vs batch size (prompt %d, %d new tokens, temperature 1)\n\n", prompt_len, new_tokens);
+  std::printf("\n## Decode throughput vs batch size (prompt %d, %d new tokens, temperature 1, %s KV cache)\n\n", prompt_len,
+              new_tokens, vroll::cache::KvCacheDtypeName(kv_dtype));
   std::printf("| model | batch | tokens/s | GFLOP/s | of GEMM rate | steps | decode steps only: tokens/s, of GEMM rate |\n"
               "|---|---|---|---|---|---|---|\n");
   std::ofstream csv(out_dir + "/throughput.csv");

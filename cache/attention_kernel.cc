@@ -26,6 +26,39 @@ inline Vec Load(const float* p) {
   return v;
 }
 
+// 16-bit keys and values (KvCacheDtype) to the fp32 values they stand for, 16 at a time, with
+// integer vector operations only (every ISA clone; no F16C needed).
+typedef uint16_t U16x16 __attribute__((vector_size(32)));
+typedef uint32_t U32x16 __attribute__((vector_size(64)));
+typedef int32_t I32x16 __attribute__((vector_size(64)));
+
+inline void StoreBits(float* dst, U32x16 bits) { std::memcpy(dst, &bits, sizeof(bits)); }
+
+/// float16: normal numbers re-biased (exponent + 112), subnormals as integer * 2^-24 (exact),
+/// inf/NaN keep an all-ones exponent (NaN payload in the top mantissa bits), sign copied.
+inline U32x16 Float16Bits(U16x16 h) {
+  const U32x16 u = __builtin_convertvector(h, U32x16);
+  const U32x16 em = u & 0x7fffu, sign = (u & 0x8000u) << 16;
+  const U32x16 normal = (em << 13) + (112u << 23), special = (em << 13) | 0x7f800000u;
+  I32x16 em_signed;
+  std::memcpy(&em_signed, &em, sizeof(em));
+  const Vec sub = __builtin_convertvector(em_signed, Vec) * 0x1p-24f;
+  U32x16 sub_bits;
+  std::memcpy(&sub_bits, &sub, sizeof(sub_bits));
+  return (em < 0x400u ? sub_bits : (em >= 0x7c00u ? special : normal)) | sign;
+}
+
+inline uint32_t Float16Bits(uint16_t h) {  // the same arithmetic for one value
+  const uint32_t em = h & 0x7fffu, sign = (h & 0x8000u) << 16;
+  if (em < 0x400u) {
+    const float sub = static_cast<float>(static_cast<int32_t>(em)) * 0x1p-24f;
+    uint32_t bits;
+    std::memcpy(&bits, &sub, sizeof(bits));
+    return bits | sign;
+  }
+  return (em >= 0x7c00u ? (em << 13) | 0x7f800000u : (em << 13) + (112u << 23)) | sign;
+}
+
 // Transpose-reduce of 16 vectors: a, b -> per-pair partial sums; after four levels lane L holds
 // the full sum of vector kLane[L]'s lanes (bit-reversed order), each by the same tree.
 inline Vec Fold8(Vec a, Vec b) {
@@ -414,6 +447,38 @@ void AttendTokens(const TokenRow* rows, int num_rows, int shared_keys, int n_kv,
       }
   }
 #undef VROLL_ATTEND_TOKENS
+}
+
+VROLL_KERNEL_CLONES
+void ConvertKvToFloat(KvCacheDtype dtype, const void* src, int64_t n, float* dst) {
+  const uint16_t* in = static_cast<const uint16_t*>(src);
+  int64_t i = 0;
+  switch (dtype) {
+    case KvCacheDtype::kFloat16:
+      for (; i + 16 <= n; i += 16) {
+        U16x16 h;
+        std::memcpy(&h, in + i, sizeof(h));
+        StoreBits(dst + i, Float16Bits(h));
+      }
+      for (; i < n; ++i) {
+        const uint32_t bits = Float16Bits(in[i]);
+        std::memcpy(dst + i, &bits, sizeof(bits));
+      }
+      return;
+    case KvCacheDtype::kBFloat16:  // the upper half of an fp32
+      for (; i + 16 <= n; i += 16) {
+        U16x16 h;
+        std::memcpy(&h, in + i, sizeof(h));
+        StoreBits(dst + i, __builtin_convertvector(h, U32x16) << 16);
+      }
+      for (; i < n; ++i) {
+        const uint32_t bits = uint32_t{in[i]} << 16;
+        std::memcpy(dst + i, &bits, sizeof(bits));
+      }
+      return;
+    default:
+      std::memcpy(dst, src, sizeof(float) * n);
+  }
 }
 
 void AttendToken(const float* q, int n_kv, int group, int head_dim, int num_keys, int block_size,

@@ -4,6 +4,8 @@
 
 #include <cstdint>
 
+#include "cache/cache_types.h"
+
 namespace vroll::cache::kernels {
 
 /// Causal attention of the `group` query heads that share one kv head, for one query row:
@@ -49,6 +51,12 @@ int64_t AttendTokensScratch(int num_rows, int n_heads, int max_keys);
 void AttendTokens(const TokenRow* rows, int num_rows, int shared_keys, int n_kv, int group, int head_dim,
                   int block_size, const float* k_base, const float* v_base, int64_t block_stride,
                   int64_t token_stride, float scale, float* scores);
+
+/// dst[i] = the fp32 value of element i of `src` (n elements of `dtype`, cache_types.h): exact
+/// for every float16 and bfloat16 bit pattern (subnormals, inf, NaN), with integer vector
+/// operations in every ISA clone. PagedKvCache reads a 16-bit cache's blocks through it into
+/// fp32 scratch that AttendTokens then attends over.
+void ConvertKvToFloat(KvCacheDtype dtype, const void* src, int64_t n, float* dst);
 
 /// AttendTokens of one row (no shared keys). scores: n_kv * group * num_keys floats at least.
 void AttendToken(const float* q, int n_kv, int group, int head_dim, int num_keys, int block_size,

@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <stdexcept>
+#include <string>
 
 #include "policy/policy_version.h"
 #include "policy/tokenizer.h"
@@ -24,6 +25,38 @@ inline constexpr BlockId kNoBlock = -1;
 
 /// Sequence id chosen by the scheduler (one sample of a request). Unique among live sequences.
 using SeqId = std::int64_t;
+
+/// Element type of the paged KV storage. fp32 (the default) keeps every key and value as the
+/// model computed it; a 16-bit type halves the bytes per block, so the same memory holds twice
+/// the tokens (a capacity option: attention converts the blocks it reads to fp32 first, which on
+/// the development VM made decode steps 8-14% slower where the fp32 cache fits the L3 cache).
+/// Each new key and value is rounded once, to nearest even, when it is stored; attention
+/// converts back to fp32 exactly and computes in fp32. The logprobs reported are those of this model (the
+/// behavior policy), which then differs from an fp32 recompute by the rounding (~1e-3 nats for
+/// float16, more for bfloat16). As vLLM's kv_cache_dtype, with IEEE float16 and bfloat16 (the
+/// upper half of an fp32).
+enum class KvCacheDtype { kFloat32, kFloat16, kBFloat16 };
+
+/// Bytes of one element: 4 or 2.
+inline int KvCacheDtypeBytes(KvCacheDtype dtype) { return dtype == KvCacheDtype::kFloat32 ? 4 : 2; }
+
+/// "float32", "float16", "bfloat16".
+inline const char* KvCacheDtypeName(KvCacheDtype dtype) {
+  switch (dtype) {
+    case KvCacheDtype::kFloat16: return "float16";
+    case KvCacheDtype::kBFloat16: return "bfloat16";
+    default: return "float32";
+  }
+}
+
+/// Parses a name: float32 (fp32), float16 (fp16, half), bfloat16 (bf16). Throws
+/// std::invalid_argument naming the accepted ones otherwise.
+inline KvCacheDtype ParseKvCacheDtype(const std::string& name) {
+  if (name == "float32" || name == "fp32") return KvCacheDtype::kFloat32;
+  if (name == "float16" || name == "fp16" || name == "half") return KvCacheDtype::kFloat16;
+  if (name == "bfloat16" || name == "bf16") return KvCacheDtype::kBFloat16;
+  throw std::invalid_argument("KV cache dtype '" + name + "': expected float32, float16 or bfloat16");
+}
 
 /// A caller's mistake at the cache's API edge (unknown sequence id, forking onto an existing id,
 /// a token count out of range). The message names the call and the offending value. Running out

@@ -17,29 +17,41 @@
 
 namespace vroll::cache {
 
-PagedKvCache::PagedKvCache(const policy::ModelConfig& config, int num_blocks, int block_size)
-    : config_(config), num_blocks_(num_blocks), block_size_(block_size) {
+namespace {
+
+at::ScalarType StorageType(KvCacheDtype dtype) {
+  switch (dtype) {
+    case KvCacheDtype::kFloat16: return at::kHalf;
+    case KvCacheDtype::kBFloat16: return at::kBFloat16;
+    default: return at::kFloat;
+  }
+}
+
+}  // namespace
+
+PagedKvCache::PagedKvCache(const policy::ModelConfig& config, int num_blocks, int block_size, KvCacheDtype dtype)
+    : config_(config), num_blocks_(num_blocks), block_size_(block_size), dtype_(dtype) {
   c10::InferenceMode guard;
   if (num_blocks <= 0) throw std::invalid_argument(fmt::format("PagedKvCache: num_blocks = {} must be > 0", num_blocks));
   if (block_size <= 0) throw std::invalid_argument(fmt::format("PagedKvCache: block_size = {} must be > 0", block_size));
-  const int64_t bytes = BytesPerBlock(config, block_size) * num_blocks;
+  const int64_t bytes = BytesPerBlock(config, block_size, dtype) * num_blocks;
   try {
     for (int l = 0; l < config.n_layers; ++l) {
-      k_.push_back(at::zeros({num_blocks, block_size, config.n_kv_heads, config.head_dim()}, at::kFloat));
-      v_.push_back(at::zeros({num_blocks, block_size, config.n_kv_heads, config.head_dim()}, at::kFloat));
+      k_.push_back(at::zeros({num_blocks, block_size, config.n_kv_heads, config.head_dim()}, StorageType(dtype)));
+      v_.push_back(at::zeros({num_blocks, block_size, config.n_kv_heads, config.head_dim()}, StorageType(dtype)));
     }
   } catch (const c10::Error& e) {  // e.g. the allocator's "can't allocate memory"
     throw std::runtime_error(fmt::format(
-        "paged KV cache: cannot allocate {} blocks x {} tokens, {:.1f} MiB of fp32 keys and values (the engine's "
+        "paged KV cache: cannot allocate {} blocks x {} tokens, {:.1f} MiB of {} keys and values (the engine's "
         "kv_cache_bytes; vroll-worker/vroll-generate --kv-cache-mb): {}",
-        num_blocks, block_size, bytes / 1048576.0, e.what_without_backtrace()));
+        num_blocks, block_size, bytes / 1048576.0, KvCacheDtypeName(dtype), e.what_without_backtrace()));
   }
-  Logger("cache").info("paged KV storage: {} blocks x {} tokens, {:.1f} MiB ({} bytes per block)", num_blocks,
-                       block_size, bytes / 1048576.0, BytesPerBlock(config, block_size));
+  Logger("cache").info("paged KV storage: {} blocks x {} tokens, {:.1f} MiB of {} ({} bytes per block)", num_blocks,
+                       block_size, bytes / 1048576.0, KvCacheDtypeName(dtype), BytesPerBlock(config, block_size, dtype));
 }
 
-int64_t PagedKvCache::BytesPerBlock(const policy::ModelConfig& config, int block_size) {
-  return KvBytesPerBlock(config.n_layers, config.n_kv_heads, config.head_dim(), block_size, sizeof(float));
+int64_t PagedKvCache::BytesPerBlock(const policy::ModelConfig& config, int block_size, KvCacheDtype dtype) {
+  return KvBytesPerBlock(config.n_layers, config.n_kv_heads, config.head_dim(), block_size, KvCacheDtypeBytes(dtype));
 }
 
 void PagedKvCache::SetStep(PagedStepLayout layout) {
@@ -102,12 +114,16 @@ at::Tensor PagedKvCache::Attend(int layer, const at::Tensor& q, const at::Tensor
         "PagedKvCache::Attend: expects contiguous CPU fp32 q/k/v for the {} rows set by SetStep, got {} rows",
         row_seq_.size(), num_tokens));
   }
-  const int64_t token_stride = int64_t{n_kv} * head_dim;  // between positions within a block
+  const int64_t token_stride = int64_t{n_kv} * head_dim;  // between positions within a block, elements
   const int64_t block_stride = token_stride * block_size_;
-  float* k_store = k_[layer].data_ptr<float>();
-  float* v_store = v_[layer].data_ptr<float>();
-  const float* k_new = k.data_ptr<float>();
-  const float* v_new = v.data_ptr<float>();
+  const int64_t elem = KvCacheDtypeBytes(dtype_), token_bytes = token_stride * elem;
+  uint8_t* k_store = static_cast<uint8_t*>(k_[layer].data_ptr());
+  uint8_t* v_store = static_cast<uint8_t*>(v_[layer].data_ptr());
+  // A 16-bit cache stores the new keys and values rounded to nearest even (LibTorch's conversion).
+  const at::Tensor k_stored = dtype_ == KvCacheDtype::kFloat32 ? k : k.to(StorageType(dtype_));
+  const at::Tensor v_stored = dtype_ == KvCacheDtype::kFloat32 ? v : v.to(StorageType(dtype_));
+  const uint8_t* k_new = static_cast<const uint8_t*>(k_stored.data_ptr());
+  const uint8_t* v_new = static_cast<const uint8_t*>(v_stored.data_ptr());
   const int32_t* ids = layout_.block_ids.data();
 
   // 1. Store the new keys and values: row t of sequence s is position ctx - n_new + (t - start).
@@ -117,9 +133,9 @@ at::Tensor PagedKvCache::Attend(int layer, const at::Tensor& q, const at::Tensor
     const int32_t* table = ids + layout_.block_table_start[s];
     for (int32_t i = 0; i < n_new; ++i) {
       const int32_t p = first_pos + i;
-      const int64_t offset = table[p / block_size_] * block_stride + (p % block_size_) * token_stride;
-      std::memcpy(k_store + offset, k_new + (start + i) * token_stride, sizeof(float) * token_stride);
-      std::memcpy(v_store + offset, v_new + (start + i) * token_stride, sizeof(float) * token_stride);
+      const int64_t offset = (table[p / block_size_] * block_stride + (p % block_size_) * token_stride) * elem;
+      std::memcpy(k_store + offset, k_new + (start + i) * token_bytes, token_bytes);
+      std::memcpy(v_store + offset, v_new + (start + i) * token_bytes, token_bytes);
     }
     if (block_versions_ != nullptr && layer == 0) {
       const int32_t num_blocks = (layout_.context_lens[s] + block_size_ - 1) / block_size_;
@@ -179,13 +195,61 @@ at::Tensor PagedKvCache::Attend(int layer, const at::Tensor& q, const at::Tensor
   const int64_t grain = work < (int64_t{1} << 20) ? num_groups : 1;
   at::parallel_for(0, num_groups, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
+    // A 16-bit cache: the blocks a group reads, converted to fp32 (exactly) into scratch, then
+    // attended over by the same fp32 kernel with the tables renumbered into the scratch: the
+    // cache's memory traffic is halved, and the scratch stays in this core's caches. The result
+    // is bit for bit that of an fp32 cache holding the same (rounded) values.
+    std::vector<float> k_scratch, v_scratch;
+    std::vector<int32_t> physical, local_tables;
+    std::vector<int64_t> table_start;
+    std::vector<kernels::TokenRow> local_rows;
     for (int64_t g = begin; g < end; ++g) {
       const int64_t first = group_start[g], count = group_start[g + 1] - first;
       int max_keys = 0;
       for (int64_t t = first; t < first + count; ++t) max_keys = std::max(max_keys, rows[t].num_keys);
       scores.resize(static_cast<size_t>(kernels::AttendTokensScratch(static_cast<int>(count), n_heads, max_keys)));
-      kernels::AttendTokens(rows.data() + first, static_cast<int>(count), group_shared[g], n_kv, group, head_dim,
-                            block_size_, k_store, v_store, block_stride, token_stride, scale, scores.data());
+      if (dtype_ == KvCacheDtype::kFloat32) {
+        kernels::AttendTokens(rows.data() + first, static_cast<int>(count), group_shared[g], n_kv, group, head_dim,
+                              block_size_, reinterpret_cast<const float*>(k_store),
+                              reinterpret_cast<const float*>(v_store), block_stride, token_stride, scale,
+                              scores.data());
+        continue;
+      }
+      // Local block j = physical block physical[j]. The first row's blocks are locals 0, 1, ...;
+      // a later row's block equal to the first row's at the same index (the shared prefix) reuses
+      // that local, any other block gets a new one.
+      physical.clear();
+      local_tables.clear();
+      table_start.clear();
+      const int32_t first_blocks = (rows[first].num_keys + block_size_ - 1) / block_size_;
+      for (int64_t t = first; t < first + count; ++t) {
+        table_start.push_back(static_cast<int64_t>(local_tables.size()));
+        const int32_t num_row_blocks = (rows[t].num_keys + block_size_ - 1) / block_size_;
+        for (int32_t b = 0; b < num_row_blocks; ++b) {
+          const int32_t id = rows[t].table[b];
+          if (t > first && b < first_blocks && rows[first].table[b] == id) {
+            local_tables.push_back(b);
+          } else {
+            local_tables.push_back(static_cast<int32_t>(physical.size()));
+            physical.push_back(id);
+          }
+        }
+      }
+      const size_t scratch = physical.size() * static_cast<size_t>(block_stride);
+      if (k_scratch.size() < scratch) {
+        k_scratch.resize(scratch);
+        v_scratch.resize(scratch);
+      }
+      for (size_t j = 0; j < physical.size(); ++j) {
+        const int64_t src = physical[j] * block_stride * elem;
+        kernels::ConvertKvToFloat(dtype_, k_store + src, block_stride, k_scratch.data() + j * block_stride);
+        kernels::ConvertKvToFloat(dtype_, v_store + src, block_stride, v_scratch.data() + j * block_stride);
+      }
+      local_rows.assign(rows.begin() + first, rows.begin() + first + count);
+      for (int64_t r = 0; r < count; ++r) local_rows[r].table = local_tables.data() + table_start[r];
+      kernels::AttendTokens(local_rows.data(), static_cast<int>(count), group_shared[g], n_kv, group, head_dim,
+                            block_size_, k_scratch.data(), v_scratch.data(), block_stride, token_stride, scale,
+                            scores.data());
     }
   });
   return out;

@@ -3,7 +3,8 @@
 // block ids, tables and the radix tree live in KvCacheManager and never touch tensors).
 //
 // Storage, one tensor per layer for keys and one for values:
-//   k[layer], v[layer]: [num_blocks, block_size, n_kv_heads, head_dim] fp32, CPU
+//   k[layer], v[layer]: [num_blocks, block_size, n_kv_heads, head_dim] of the cache's dtype
+//   (KvCacheDtype: fp32 by default; float16 or bfloat16 halve the bytes), CPU
 // Token position p of a sequence with block table T lives at
 //   block T[p / block_size], slot p % block_size:
 //
@@ -15,7 +16,8 @@
 // Each query row is computed by the same code whatever else is in the batch, so results are
 // batch-invariant. It computes, per query head h (kv head h / group),
 //   out = softmax(q k^T / sqrt(head_dim)) v   over keys at positions [0, p]  (causal),
-// two-pass (scores, max, exp, sum; then the weighted sum of values), in fp32.
+// two-pass (scores, max, exp, sum; then the weighted sum of values), in fp32 (16-bit keys and
+// values are converted to fp32 exactly as they are read).
 
 #include <cstdint>
 #include <utility>
@@ -23,6 +25,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include "cache/cache_types.h"
 #include "policy/attention_backend.h"
 #include "policy/model_config.h"
 #include "policy/policy_version.h"
@@ -44,14 +47,16 @@ struct PagedStepLayout {
 /// Not thread-safe: the engine thread owns it. Attend parallelizes internally (at::parallel_for).
 class PagedKvCache : public policy::AttentionBackend {
  public:
-  /// Allocates 2 * n_layers tensors of [num_blocks, block_size, n_kv_heads, head_dim] fp32.
-  /// Throws std::invalid_argument when num_blocks or block_size is not positive, and
+  /// Allocates 2 * n_layers tensors of [num_blocks, block_size, n_kv_heads, head_dim] of
+  /// `dtype`. Throws std::invalid_argument when num_blocks or block_size is not positive, and
   /// std::runtime_error naming the blocks and MiB when the storage cannot be allocated.
-  PagedKvCache(const policy::ModelConfig& config, int num_blocks, int block_size);
+  PagedKvCache(const policy::ModelConfig& config, int num_blocks, int block_size,
+               KvCacheDtype dtype = KvCacheDtype::kFloat32);
 
   /// Bytes of K and V storage one block takes over all layers: 2 * n_layers * block_size *
-  /// n_kv_heads * head_dim * 4 (KvBytesPerBlock for fp32). The engine sizes its pool with it.
-  static int64_t BytesPerBlock(const policy::ModelConfig& config, int block_size);
+  /// n_kv_heads * head_dim * (4 or 2) (KvBytesPerBlock). The engine sizes its pool with it.
+  static int64_t BytesPerBlock(const policy::ModelConfig& config, int block_size,
+                               KvCacheDtype dtype = KvCacheDtype::kFloat32);
 
   /// Sets the layout of the next Forward. Throws std::invalid_argument on inconsistent sizes,
   /// block ids outside [0, num_blocks), or a table too short for its context.
@@ -70,6 +75,7 @@ class PagedKvCache : public policy::AttentionBackend {
 
   int num_blocks() const { return num_blocks_; }
   int block_size() const { return block_size_; }
+  KvCacheDtype dtype() const { return dtype_; }
   const at::Tensor& keys(int layer) const { return k_[layer]; }
   const at::Tensor& values(int layer) const { return v_[layer]; }
 
@@ -77,6 +83,7 @@ class PagedKvCache : public policy::AttentionBackend {
   policy::ModelConfig config_;
   int num_blocks_;
   int block_size_;
+  KvCacheDtype dtype_;
   std::vector<at::Tensor> k_;  // per layer [num_blocks, block_size, n_kv_heads, head_dim]
   std::vector<at::Tensor> v_;
   PagedStepLayout layout_;

@@ -56,9 +56,10 @@ Engine::Engine(const policy::Checkpoint& checkpoint, const EngineConfig& config)
     : config_(config), model_config_(checkpoint.config), seed_state_(config.seed) {
   config_.Validate();
   model_config_.Validate("engine model config");
-  // As cache::PagedKvCache::BytesPerBlock (fp32 K and V), without its LibTorch header.
-  const int64_t bytes_per_block = cache::KvBytesPerBlock(model_config_.n_layers, model_config_.n_kv_heads,
-                                                         model_config_.head_dim(), config_.block_size, sizeof(float));
+  // As cache::PagedKvCache::BytesPerBlock, without its LibTorch header.
+  const int64_t bytes_per_block =
+      cache::KvBytesPerBlock(model_config_.n_layers, model_config_.n_kv_heads, model_config_.head_dim(),
+                             config_.block_size, cache::KvCacheDtypeBytes(config_.kv_cache_dtype));
   const int64_t num_blocks64 = config_.kv_cache_bytes / bytes_per_block;
   if (num_blocks64 < 2) {
     throw policy::ConfigError(fmt::format("engine config: kv_cache_bytes = {} holds {} blocks of {} bytes; need >= 2",
@@ -68,7 +69,7 @@ Engine::Engine(const policy::Checkpoint& checkpoint, const EngineConfig& config)
   runner_ = std::make_unique<ModelRunner>(
       checkpoint, ModelRunnerConfig{num_blocks, config_.block_size, config_.check_block_versions,
                                     config_.batch_invariant, config_.swap_weight_buffers,
-                                    config_.prepack_weights});
+                                    config_.prepack_weights, config_.kv_cache_dtype});
   spare_buffers_ = runner_->StagingBuffers();
   cache::KvCacheConfig kv_config;
   kv_config.num_blocks = num_blocks;
@@ -113,9 +114,10 @@ Engine::Engine(const policy::Checkpoint& checkpoint, const EngineConfig& config)
   counters_.num_blocks = num_blocks;
   PublishStats();
   Logger("rollout").info(
-      "engine: {} KV blocks x {} tokens ({:.1f} MiB), max_num_seqs {}, max_num_batched_tokens {}, prefix caching {}; "
-      "weight updates {}",
-      num_blocks, config_.block_size, num_blocks * bytes_per_block / 1048576.0, config_.max_num_seqs,
+      "engine: {} KV blocks x {} tokens ({:.1f} MiB of {}), max_num_seqs {}, max_num_batched_tokens {}, prefix "
+      "caching {}; weight updates {}",
+      num_blocks, config_.block_size, num_blocks * bytes_per_block / 1048576.0,
+      cache::KvCacheDtypeName(config_.kv_cache_dtype), config_.max_num_seqs,
       config_.max_num_batched_tokens, config_.enable_prefix_caching ? "on" : "off",
       !config_.swap_weight_buffers ? "applied in place (copy + repack at the safe point)"
       : config_.prepack_weights    ? "staged in spare buffers, packed while staged, swapped"

@@ -29,6 +29,11 @@ class ModelRunner;
 struct EngineConfig {
   int64_t kv_cache_bytes = int64_t{256} << 20;  ///< KV memory budget (all layers, K and V), bytes
   int block_size = 16;                          ///< tokens per KV block
+  /// Element type of the KV cache (cache::KvCacheDtype): float16 or bfloat16 hold twice the
+  /// tokens in kv_cache_bytes (attention ~10% slower: docs/KV_CACHE.md); the logprobs reported are
+  /// still exactly those of the model that sampled (the behavior policy), whose keys and values
+  /// are rounded to 16 bits, so they differ from an fp32 recompute by that rounding.
+  cache::KvCacheDtype kv_cache_dtype = cache::KvCacheDtype::kFloat32;
   bool enable_prefix_caching = true;
   /// Blocks kept free at admission for running sequences to grow into; -1: 1% of the blocks.
   int watermark_blocks = -1;

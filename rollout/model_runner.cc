@@ -28,7 +28,7 @@ policy::ModelOptions MakeOptions(const ModelRunnerConfig& config) {
 
 struct ModelRunner::Impl {
   Impl(const policy::Checkpoint& checkpoint, const ModelRunnerConfig& config)
-      : model(checkpoint, MakeOptions(config)), kv(model.config(), config.num_blocks, config.block_size), check(config.check_block_versions) {}
+      : model(checkpoint, MakeOptions(config)), kv(model.config(), config.num_blocks, config.block_size, config.kv_cache_dtype), check(config.check_block_versions) {}
 
   policy::LlamaModel model;
   cache::PagedKvCache kv;
@@ -324,7 +324,7 @@ uint64_t ModelRunner::RecomputeWeightsChecksum() const {
 }
 
 int64_t ModelRunner::bytes_per_block() const {
-  return cache::PagedKvCache::BytesPerBlock(impl_->model.config(), impl_->kv.block_size());
+  return cache::PagedKvCache::BytesPerBlock(impl_->model.config(), impl_->kv.block_size(), impl_->kv.dtype());
 }
 
 void ModelRunner::Execute(const StepPlan& plan, const cache::KvCacheManager& kv, PolicyVersion version,

@@ -34,6 +34,8 @@ struct ModelRunnerConfig {
   /// spare packed buffers are kept and every update is repacked in ApplyWeights (the stall grows
   /// by ~1 pass over the GEMM weights).
   bool prepack_weights = true;
+  /// Element type of the paged KV storage (see cache::KvCacheDtype).
+  cache::KvCacheDtype kv_cache_dtype = cache::KvCacheDtype::kFloat32;
 };
 
 /// Not thread-safe: the engine thread owns it.

@@ -8,7 +8,9 @@
 #include <cstring>
 #include <numeric>
 #include <random>
+#include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -161,6 +163,56 @@ TEST_P(AttendTokensTest, OtherIsaVariantsMeetTheFloat64BoundGroupedAndAlone) {
     }
     std::printf("%s vs this CPU's variant: max |diff| %.3g%s\n", variant.name.c_str(), max_diff,
                 max_diff == 0 ? " (same bits)" : "");
+  }
+}
+
+/// The fp32 value of a float16 bit pattern from the format's definition (IEEE 754 binary16:
+/// 1 sign, 5 exponent bits biased by 15, 10 mantissa bits), by ldexp: an oracle independent of
+/// the kernel's integer re-biasing.
+float Float16Reference(uint16_t h) {
+  const int e = (h >> 10) & 0x1f, m = h & 0x3ff;
+  const float sign = (h & 0x8000) != 0 ? -1.0f : 1.0f;
+  if (e == 0x1f) return m == 0 ? sign * INFINITY : NAN;
+  if (e == 0) return sign * std::ldexp(static_cast<float>(m), -24);
+  return sign * std::ldexp(static_cast<float>(1024 + m), e - 25);
+}
+
+float BFloat16Reference(uint16_t h) {  // the upper half of an fp32: sign, 8 exponent, 7 mantissa bits
+  const int e = (h >> 7) & 0xff, m = h & 0x7f;
+  const float sign = (h & 0x8000) != 0 ? -1.0f : 1.0f;
+  if (e == 0xff) return m == 0 ? sign * INFINITY : NAN;
+  if (e == 0) return sign * std::ldexp(static_cast<float>(m), -133);
+  return sign * std::ldexp(static_cast<float>(128 + m), e - 134);
+}
+
+/// Every ConvertKvToFloat: this CPU's and the other ISA variants'.
+std::vector<std::pair<std::string, void (*)(KvCacheDtype, const void*, int64_t, float*)>> Converters() {
+  std::vector<std::pair<std::string, void (*)(KvCacheDtype, const void*, int64_t, float*)>> out = {
+      {"this CPU's", &ConvertKvToFloat}};
+  for (const testing::KernelVariant& variant : testing::KernelVariants()) {
+    if (variant.supported) out.emplace_back(variant.name, variant.convert_kv_to_float);
+  }
+  return out;
+}
+
+TEST(KvCacheDtypeTest, EverySixteenBitPatternConvertsToItsExactValueInEveryIsaVariant) {
+  std::vector<uint16_t> all(65536 + 5);  // + 5: a tail shorter than a vector
+  for (size_t i = 0; i < all.size(); ++i) all[i] = static_cast<uint16_t>(i * 40503u);  // every pattern, shuffled
+  for (const auto& [name, convert] : Converters()) {
+    for (KvCacheDtype dtype : {KvCacheDtype::kFloat16, KvCacheDtype::kBFloat16}) {
+      std::vector<float> got(all.size());
+      convert(dtype, all.data(), static_cast<int64_t>(all.size()), got.data());
+      int num_bad = 0;
+      for (size_t i = 0; i < all.size(); ++i) {
+        const float want = dtype == KvCacheDtype::kFloat16 ? Float16Reference(all[i]) : BFloat16Reference(all[i]);
+        const bool same = std::isnan(want) ? std::isnan(got[i]) : std::memcmp(&want, &got[i], sizeof(float)) == 0;
+        if (!same && ++num_bad <= 5) {
+          ADD_FAILURE() << name << " " << KvCacheDtypeName(dtype) << ": bits 0x" << std::hex << all[i] << std::dec
+                        << " -> " << got[i] << ", want " << want;
+        }
+      }
+      EXPECT_EQ(num_bad, 0) << name << " " << KvCacheDtypeName(dtype);
+    }
   }
 }
 

@@ -4,7 +4,9 @@
 #include <algorithm>
 #include <numeric>
 #include <random>
+#include <string>
 #include <tuple>
+#include <utility>
 
 #include <ATen/ATen.h>
 #include <c10/core/InferenceMode.h>
@@ -170,6 +172,89 @@ TEST(PagedKvCacheTest, SamplesSharingPromptBlocksEqualContiguous) {
   }
 }
 
+// A 16-bit cache (float16, bfloat16) against an fp32 cache fed the same keys and values rounded
+// to 16 bits by LibTorch: the attention outputs and the stored values must be identical, bit for
+// bit, over a GRPO-shaped workload (a shared prompt in chunks, copy-on-write of the partial
+// block, decodes growing into new blocks) with the vectorized (head_dim 48) and the generic
+// (head_dim 8) kernel paths.
+class SixteenBitKvCacheTest : public ::testing::TestWithParam<std::tuple<KvCacheDtype, int>> {};
+
+TEST_P(SixteenBitKvCacheTest, EqualsAnFp32CacheHoldingTheRoundedValuesBitForBit) {
+  c10::InferenceMode guard;
+  const auto [dtype, head_dim] = GetParam();
+  const at::ScalarType type = dtype == KvCacheDtype::kFloat16 ? at::kHalf : at::kBFloat16;
+  ModelConfig config = policy::DefaultModelConfig();
+  config.dim = config.n_heads * head_dim;
+  config.n_layers = 2;
+  config.max_seq_len = 96;
+  const int block_size = 16, prompt = 40, n = 6, decode_steps = 30;
+  const int64_t h = config.n_heads, kvh = config.n_kv_heads, d = config.head_dim();
+  PagedKvCache sixteen(config, 64, block_size, dtype), fp32(config, 64, block_size);
+  EXPECT_EQ(sixteen.dtype(), dtype);
+  at::manual_seed(11);
+  auto rounded = [&](const at::Tensor& x) { return x.to(type).to(at::kFloat); };
+  auto attend_both = [&](int layer, int64_t rows) {
+    // Magnitudes over several binades, so that rounding hits different exponents.
+    at::Tensor q = at::randn({rows, h, d}), k = at::randn({rows, kvh, d}) * at::exp(at::randn({rows, kvh, d})),
+               v = at::randn({rows, kvh, d}) * at::exp(at::randn({rows, kvh, d}));
+    const at::Tensor got = sixteen.Attend(layer, q, k, v), want = fp32.Attend(layer, q, rounded(k), rounded(v));
+    return at::equal(got, want);
+  };
+  auto set_both = [&](const PagedStepLayout& layout) {
+    sixteen.SetStep(layout);
+    fp32.SetStep(layout);
+  };
+  // The prompt in two chunks (24 + 16 tokens) of sequence 0, blocks 0..2.
+  for (const auto& [begin, end] : {std::pair<int, int>{0, 24}, std::pair<int, int>{24, prompt}}) {
+    PagedStepLayout layout;
+    layout.query_start = {0, end - begin};
+    layout.context_lens = {end};
+    layout.block_ids = {0, 1, 2};
+    layout.block_table_start = {0, 3};
+    set_both(layout);
+    for (int layer = 0; layer < config.n_layers; ++layer) {
+      ASSERT_TRUE(attend_both(layer, end - begin)) << "prefill chunk ending at " << end << ", layer " << layer;
+    }
+  }
+  std::vector<std::vector<int32_t>> tables(n);
+  int next_block = 3;
+  for (int s = 0; s < n; ++s) {
+    tables[s] = {0, 1, next_block++};
+    sixteen.CopyBlocks({{2, tables[s][2]}});
+    fp32.CopyBlocks({{2, tables[s][2]}});
+  }
+  for (int step = 0; step < decode_steps; ++step) {
+    const int len = prompt + step + 1;
+    PagedStepLayout layout;
+    layout.query_start = {0};
+    layout.block_table_start = {0};
+    for (int s = 0; s < n; ++s) {
+      while (static_cast<int>(tables[s].size()) * block_size < len) tables[s].push_back(next_block++);
+      layout.query_start.push_back(s + 1);
+      layout.context_lens.push_back(len);
+      layout.block_ids.insert(layout.block_ids.end(), tables[s].begin(), tables[s].end());
+      layout.block_table_start.push_back(static_cast<int32_t>(layout.block_ids.size()));
+    }
+    set_both(layout);
+    for (int layer = 0; layer < config.n_layers; ++layer) {
+      ASSERT_TRUE(attend_both(layer, n)) << "decode step " << step << ", layer " << layer;
+    }
+  }
+  for (int l = 0; l < config.n_layers; ++l) {
+    EXPECT_EQ(sixteen.keys(l).scalar_type(), type);
+    EXPECT_TRUE(at::equal(sixteen.keys(l).to(at::kFloat), fp32.keys(l))) << "layer " << l;
+    EXPECT_TRUE(at::equal(sixteen.values(l).to(at::kFloat), fp32.values(l))) << "layer " << l;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Dtypes, SixteenBitKvCacheTest,
+                         ::testing::Combine(::testing::Values(KvCacheDtype::kFloat16, KvCacheDtype::kBFloat16),
+                                            ::testing::Values(8, 48)),
+                         [](const ::testing::TestParamInfo<std::tuple<KvCacheDtype, int>>& info) {
+                           return std::string(KvCacheDtypeName(std::get<0>(info.param))) + "_head_dim_" +
+                                  std::to_string(std::get<1>(info.param));
+                         });
+
 TEST(PagedKvCacheTest, CopyBlocksCopiesEveryLayer) {
   c10::InferenceMode guard;
   ModelConfig config = policy::DefaultModelConfig();
@@ -191,13 +276,17 @@ TEST(PagedKvCacheTest, BytesPerBlockIsWhatTheStorageTensorsHold) {
   // kv_cache_bytes / BytesPerBlock).
   c10::InferenceMode guard;
   ModelConfig config = policy::DefaultModelConfig();  // GQA: n_kv_heads < n_heads
-  for (int block_size : {1, 4, 16}) {
-    const int num_blocks = 3;
-    PagedKvCache paged(config, num_blocks, block_size);
-    int64_t bytes = 0;
-    for (int l = 0; l < config.n_layers; ++l) bytes += paged.keys(l).nbytes() + paged.values(l).nbytes();
-    EXPECT_EQ(PagedKvCache::BytesPerBlock(config, block_size) * num_blocks, bytes) << "block_size " << block_size;
+  for (KvCacheDtype dtype : {KvCacheDtype::kFloat32, KvCacheDtype::kFloat16, KvCacheDtype::kBFloat16}) {
+    for (int block_size : {1, 4, 16}) {
+      const int num_blocks = 3;
+      PagedKvCache paged(config, num_blocks, block_size, dtype);
+      int64_t bytes = 0;
+      for (int l = 0; l < config.n_layers; ++l) bytes += paged.keys(l).nbytes() + paged.values(l).nbytes();
+      EXPECT_EQ(PagedKvCache::BytesPerBlock(config, block_size, dtype) * num_blocks, bytes)
+          << KvCacheDtypeName(dtype) << ", block_size " << block_size;
+    }
   }
+  EXPECT_EQ(PagedKvCache::BytesPerBlock(config, 16, KvCacheDtype::kFloat16) * 2, PagedKvCache::BytesPerBlock(config, 16));
 }
 
 TEST(PagedKvCacheTest, RejectsTablesTooShortForTheContext) {

@@ -25,9 +25,15 @@ fail() {
 if "$WORKER" --endpoint "ipc://$dir/huge.sock" --kv-cache-mb 100000000 >"$dir/huge.out" 2>"$dir/huge.err"; then
   fail "--kv-cache-mb 100000000 accepted"
 fi
-grep -q "cannot allocate .* MiB of fp32 keys and values .*--kv-cache-mb" "$dir/huge.err" ||
+grep -q "cannot allocate .* MiB of float32 keys and values .*--kv-cache-mb" "$dir/huge.err" ||
   fail "the allocation failure does not name the KV cache and --kv-cache-mb"
 if grep -q "frame #" "$dir/huge.err"; then fail "the allocation failure carries a backtrace"; fi
+
+# A KV cache dtype it does not know is refused by name.
+if "$WORKER" --endpoint "ipc://$dir/dtype.sock" --kv-cache-dtype float8 >"$dir/dtype.out" 2>"$dir/dtype.err"; then
+  fail "--kv-cache-dtype float8 accepted"
+fi
+grep -q -- "--kv-cache-dtype" "$dir/dtype.out" "$dir/dtype.err" || fail "the bad --kv-cache-dtype is not named"
 
 # run_case NAME [model args...]: one worker, one example run against it.
 run_case() {

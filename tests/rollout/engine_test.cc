@@ -3,6 +3,8 @@
 // preempted sequences, and counted prefill tokens for GRPO groups.
 
 #include <algorithm>
+#include <cmath>
+#include <cstdio>
 #include <future>
 #include <map>
 #include <mutex>
@@ -133,6 +135,85 @@ TEST(EngineTest, LogprobsEqualAFullSequenceRecompute) {
     for (size_t i = 0; i < want.size(); ++i) {
       ASSERT_NEAR(r.logprobs[i], want[i], 1e-4) << r.request_id << " sample " << r.sample_index << " token " << i;
     }
+  }
+}
+
+TEST(EngineTest, ASixteenBitKvCacheHoldsTwiceTheBlocksAndReportsTheRoundedModelsLogprobs) {
+  // Oracle: a full-sequence recompute whose keys and values are rounded to the cache's type
+  // (RecomputeLogprobs with a kv dtype), against the plain fp32 recompute. The engine's keys and
+  // values differ from the recompute's in the last fp32 bits (its attention kernel is not the
+  // recompute's), and those that straddle a 16-bit rounding boundary round apart: so the match
+  // is not to 1e-4 as in fp32 (measured here, max / mean: float16 5.4e-4 / 7.6e-6, bfloat16
+  // 1.4e-2 / 2e-4), but it is far closer than the fp32 recompute is (float16 8.6e-3 / 5.3e-4,
+  // bfloat16 6.1e-2 / 3.6e-3): the logprobs are the rounded model's, the behavior policy's. The paged cache's arithmetic itself
+  // is checked bit for bit in SixteenBitKvCacheTest (tests/cache).
+  VROLL_REQUIRE_SHARED();
+  std::vector<Request> requests = {MakeRequest("t1", {1, 403, 407}, 60, 1.0, 4, 7),
+                                   MakeRequest("t07", {1, 403, 407, 261, 378}, 60, 0.7, 2, 8),
+                                   MakeRequest("greedy", {1}, 60, 0.0)};
+  requests[1].sampling.top_p = 0.9;
+  requests[1].sampling.top_k = 40;
+  const int fp32_blocks = Engine(Stories(), SmallConfig()).stats().num_blocks;
+  for (cache::KvCacheDtype dtype : {cache::KvCacheDtype::kFloat16, cache::KvCacheDtype::kBFloat16}) {
+    EngineConfig config = SmallConfig();
+    config.kv_cache_dtype = dtype;
+    Engine e(Stories(), config);
+    EXPECT_GE(e.stats().num_blocks, 2 * fp32_blocks) << cache::KvCacheDtypeName(dtype);  // floor(2x) of the bytes
+    EXPECT_LE(e.stats().num_blocks, 2 * fp32_blocks + 1) << cache::KvCacheDtypeName(dtype);
+    double max_err = 0, sum_err = 0, max_vs_fp32 = 0, sum_vs_fp32 = 0;
+    int num_tokens = 0;
+    for (const SampleResult& r : e.Generate(requests)) {
+      const Request& req = *std::find_if(requests.begin(), requests.end(),
+                                         [&](const Request& q) { return q.request_id == r.request_id; });
+      ASSERT_EQ(r.logprobs.size(), r.output_ids.size());
+      const std::vector<float> want =
+          RecomputeLogprobs(Stories(), req.prompt, r.output_ids, req.sampling.temperature, dtype);
+      const std::vector<float> fp32 = RecomputeLogprobs(Stories(), req.prompt, r.output_ids, req.sampling.temperature);
+      for (size_t i = 0; i < want.size(); ++i) {
+        const double err = std::abs(r.logprobs[i] - want[i]), vs_fp32 = std::abs(r.logprobs[i] - fp32[i]);
+        max_err = std::max(max_err, err);
+        max_vs_fp32 = std::max(max_vs_fp32, vs_fp32);
+        sum_err += err;
+        sum_vs_fp32 += vs_fp32;
+        ++num_tokens;
+      }
+    }
+    std::printf("%s KV cache, %d tokens: |logprob - recompute with rounded KV| max %.2g mean %.2g; "
+                "|logprob - fp32 recompute| max %.2g mean %.2g\n",
+                cache::KvCacheDtypeName(dtype), num_tokens, max_err, sum_err / num_tokens, max_vs_fp32,
+                sum_vs_fp32 / num_tokens);
+    const bool half = dtype == cache::KvCacheDtype::kFloat16;
+    EXPECT_LE(max_err, half ? 3e-3 : 6e-2) << cache::KvCacheDtypeName(dtype);
+    EXPECT_LT(sum_err, sum_vs_fp32 / 5) << cache::KvCacheDtypeName(dtype) << ": not closer to the rounded model";
+  }
+}
+
+TEST(EngineTest, ASixteenBitKvCacheKeepsSeededSamplingBitwiseReproducibleWhateverTheBatch) {
+  std::mt19937 rng(3);
+  const Request target = MakeRequest("target", RandomPrompt(rng, 9, 259), 30, 0.8, 3, 99);
+  EngineConfig config = SmallConfig();
+  config.kv_cache_dtype = cache::KvCacheDtype::kFloat16;
+  std::vector<SampleResult> reference;
+  {
+    Engine e(Default(), config);
+    reference = e.Generate({target});
+  }
+  std::vector<Request> batch = {target};
+  for (int i = 0; i < 12; ++i) {
+    batch.push_back(MakeRequest("other" + std::to_string(i), RandomPrompt(rng, 1 + (i * 13) % 40, 259), 5 + i * 3,
+                                1.0, 1 + i % 3));
+  }
+  std::shuffle(batch.begin(), batch.end(), rng);
+  config.max_num_batched_tokens = 96;
+  Engine e(Default(), config);
+  std::vector<SampleResult> got;
+  for (const SampleResult& r : e.Generate(batch)) {
+    if (r.request_id == "target") got.push_back(r);
+  }
+  ASSERT_EQ(got.size(), reference.size());
+  for (size_t s = 0; s < got.size(); ++s) {
+    EXPECT_EQ(got[s].output_ids, reference[s].output_ids) << "sample " << s;
+    EXPECT_EQ(got[s].logprobs, reference[s].logprobs) << "sample " << s;
   }
 }
 

@@ -61,6 +61,10 @@ void AttendTokens(const void* rows, int num_rows, int shared_keys, int n_kv, int
                               head_dim, block_size, k_base, v_base, block_stride, token_stride, scale, scores);
 }
 
+void ConvertKvToFloat(int dtype, const void* src, int64_t n, float* dst) {
+  cache_kernels::ConvertKvToFloat(static_cast<::VROLL_ISA_BUILD::cache::KvCacheDtype>(dtype), src, n, dst);
+}
+
 void RmsNormRow(const float* x, const float* weight, int64_t n, float eps, float* out) {
   policy_kernels::RmsNormRow(x, weight, n, eps, out);
 }

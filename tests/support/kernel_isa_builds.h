@@ -19,6 +19,7 @@ struct KernelVariant {
   void (*attend_tokens)(const cache::kernels::TokenRow* rows, int num_rows, int shared_keys, int n_kv, int group,
                         int head_dim, int block_size, const float* k_base, const float* v_base,
                         int64_t block_stride, int64_t token_stride, float scale, float* scores) = nullptr;
+  void (*convert_kv_to_float)(cache::KvCacheDtype dtype, const void* src, int64_t n, float* dst) = nullptr;
   void (*rms_norm_row)(const float* x, const float* weight, int64_t n, float eps, float* out) = nullptr;
   void (*silu_mul_row)(const float* gate, const float* up, int64_t n, float* out) = nullptr;
   void (*rope_row)(float* x, int64_t n_heads, int64_t head_dim, const float* cos, const float* sin,

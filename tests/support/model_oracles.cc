@@ -66,14 +66,38 @@ PackedSequences PackSequences(const std::vector<std::vector<TokenId>>& seqs) {
   return packed;
 }
 
+namespace {
+
+/// A ContiguousKvCache whose keys and values are rounded to a 16-bit type on the way in.
+class RoundingKvCache : public policy::AttentionBackend {
+ public:
+  RoundingKvCache(ContiguousKvCache& inner, at::ScalarType type) : inner_(inner), type_(type) {}
+  at::Tensor Attend(int layer, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) override {
+    return inner_.Attend(layer, q, k.to(type_).to(at::kFloat), v.to(type_).to(at::kFloat));
+  }
+
+ private:
+  ContiguousKvCache& inner_;
+  at::ScalarType type_;
+};
+
+}  // namespace
+
 std::vector<float> RecomputeLogprobs(const policy::Checkpoint& ckpt, const std::vector<TokenId>& prompt,
                                      const std::vector<TokenId>& output, double temperature) {
+  return RecomputeLogprobs(ckpt, prompt, output, temperature, cache::KvCacheDtype::kFloat32);
+}
+
+std::vector<float> RecomputeLogprobs(const policy::Checkpoint& ckpt, const std::vector<TokenId>& prompt,
+                                     const std::vector<TokenId>& output, double temperature,
+                                     cache::KvCacheDtype kv_dtype) {
   c10::InferenceMode guard;
   policy::LlamaModel model(ckpt);
   std::vector<TokenId> all = prompt;
   all.insert(all.end(), output.begin(), output.end());
   all.pop_back();  // the last output token is never an input
   ContiguousKvCache kv(model.config(), 1);
+  RoundingKvCache rounding(kv, kv_dtype == cache::KvCacheDtype::kFloat16 ? at::kHalf : at::kBFloat16);
   ForwardBatch b;
   for (size_t i = 0; i < all.size(); ++i) {
     b.token_ids.push_back(all[i]);
@@ -81,7 +105,9 @@ std::vector<float> RecomputeLogprobs(const policy::Checkpoint& ckpt, const std::
   }
   for (size_t i = prompt.size() - 1; i < all.size(); ++i) b.logits_rows.push_back(static_cast<int32_t>(i));
   kv.SetStep({0}, {0, static_cast<int>(all.size())}, {static_cast<int>(all.size())});
-  at::Tensor logits = model.Forward(b, kv).contiguous();
+  policy::AttentionBackend& backend =
+      kv_dtype == cache::KvCacheDtype::kFloat32 ? static_cast<policy::AttentionBackend&>(kv) : rounding;
+  at::Tensor logits = model.Forward(b, backend).contiguous();
   std::vector<float> out;
   for (size_t i = 0; i < output.size(); ++i) {
     out.push_back(rollout::TokenLogprob(logits[i].data_ptr<float>(), model.config().vocab_size, temperature, output[i]));

@@ -11,6 +11,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include "cache/cache_types.h"
 #include "policy/llama_model.h"
 #include "policy/tokenizer.h"
 #include "policy/weights.h"
@@ -51,5 +52,13 @@ PackedSequences PackSequences(const std::vector<std::vector<policy::TokenId>>& s
 /// Returns [output.size()] floats. Preconditions: prompt and output are non-empty.
 std::vector<float> RecomputeLogprobs(const policy::Checkpoint& ckpt, const std::vector<policy::TokenId>& prompt,
                                      const std::vector<policy::TokenId>& output, double temperature);
+
+/// RecomputeLogprobs of a model whose KV cache holds `kv_dtype`: every key and value is rounded
+/// to it (LibTorch's round-to-nearest-even conversion) before attention, then attention runs in
+/// fp32 over the contiguous cache, as the paged cache's 16-bit storage does. kFloat32: the same
+/// as RecomputeLogprobs.
+std::vector<float> RecomputeLogprobs(const policy::Checkpoint& ckpt, const std::vector<policy::TokenId>& prompt,
+                                     const std::vector<policy::TokenId>& output, double temperature,
+                                     cache::KvCacheDtype kv_dtype);
 
 }  // namespace vroll::testing
