@@ -1,0 +1,37 @@
+# cmake -P script run by the packaging.install_and_consume test (tests/packaging/CMakeLists.txt):
+#   1. cmake --install VROLL_BINARY_DIR --prefix WORK_DIR/prefix (a fresh prefix each run)
+#   2. configure CONSUMER_SOURCE_DIR against that prefix only, build it
+#   3. run the consumer; any failing step fails the test
+foreach(_var VROLL_BINARY_DIR CONSUMER_SOURCE_DIR WORK_DIR GENERATOR CXX_COMPILER)
+  if(NOT DEFINED ${_var})
+    message(FATAL_ERROR "install_and_consume.cmake: ${_var} not set")
+  endif()
+endforeach()
+if(NOT CONFIG)
+  set(CONFIG Release)
+endif()
+
+set(_prefix ${WORK_DIR}/prefix)
+set(_build ${WORK_DIR}/consumer-build)
+file(REMOVE_RECURSE ${WORK_DIR})
+file(MAKE_DIRECTORY ${WORK_DIR})
+
+message(STATUS "1. install into ${_prefix}")
+execute_process(COMMAND ${CMAKE_COMMAND} --install ${VROLL_BINARY_DIR} --prefix ${_prefix} --config ${CONFIG}
+  OUTPUT_QUIET COMMAND_ERROR_IS_FATAL ANY)
+
+message(STATUS "2. configure and build ${CONSUMER_SOURCE_DIR}")
+# Only the fresh prefix: no package registry, so a vroll found elsewhere cannot stand in for it.
+execute_process(COMMAND ${CMAKE_COMMAND} -S ${CONSUMER_SOURCE_DIR} -B ${_build} -G ${GENERATOR}
+    -DCMAKE_BUILD_TYPE=${CONFIG} -DCMAKE_CXX_COMPILER=${CXX_COMPILER}
+    -DCMAKE_PREFIX_PATH=${_prefix} -DCMAKE_FIND_USE_PACKAGE_REGISTRY=OFF
+  COMMAND_ERROR_IS_FATAL ANY)
+file(STRINGS ${_build}/CMakeCache.txt _vroll_dir REGEX "^vroll_DIR:")
+string(FIND "${_vroll_dir}" "vroll_DIR:PATH=${_prefix}/" _at)
+if(NOT _at EQUAL 0)
+  message(FATAL_ERROR "the consumer found vroll outside the test prefix: ${_vroll_dir}")
+endif()
+execute_process(COMMAND ${CMAKE_COMMAND} --build ${_build} --config ${CONFIG} COMMAND_ERROR_IS_FATAL ANY)
+
+message(STATUS "3. run the consumer")
+execute_process(COMMAND ${_build}/vroll_consumer COMMAND_ERROR_IS_FATAL ANY)
