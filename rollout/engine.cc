@@ -148,12 +148,14 @@ void Engine::Stop() {
   }
   cv_.notify_all();
   if (thread_.joinable()) thread_.join();
+  // The engine thread is gone: this thread owns the engine now. threaded_ stays set until every
+  // unfinished request and update is answered, so that no other thread steps the engine (as
+  // Generate and UpdateWeights do when it has no thread) or submits meanwhile.
+  AbortAll();
   {
     std::lock_guard<std::mutex> lock(mu_);
     threaded_ = false;
   }
-  // The engine thread is gone: this thread owns the engine now.
-  AbortAll();
 }
 
 void Engine::AbortAll() {
@@ -495,6 +497,7 @@ SubmitStatus Engine::SubmitUpdate(policy::WeightUpdateStaging* staging, InFlight
   }
   {
     std::lock_guard<std::mutex> lock(mu_);
+    if (stop_ && threaded_) return {SubmitStatus::Code::kStopped, "engine is stopping"};
     if (update_pending_) return {SubmitStatus::Code::kOverloaded, "another weight update is pending"};
     update_pending_ = true;
     update_inbox_ = PendingUpdate{staging, mode, std::move(on_done), Clock::now(), -1};

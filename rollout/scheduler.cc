@@ -105,12 +105,14 @@ StepPlan Scheduler::Schedule(PolicyVersion current_version, Admission admission)
         ++it;
         continue;
       }
-      const int group = 1 + seq->num_forks_pending;
-      if (num_seqs + group > config_.max_num_seqs) break;
+      // A request waiting for a newer policy version is passed over before anything else is
+      // asked of it: its group size must not stop the requests behind it.
       if (seq->request->request.min_policy_version > current_version) {
         ++it;
         continue;
       }
+      const int group = 1 + seq->num_forks_pending;
+      if (num_seqs + group > config_.max_num_seqs) break;
       cache::AllocateResult r = kv_->Allocate(seq->id, seq->tokens);
       if (!r.ok()) break;
       seq->num_computed_tokens = r.num_cached_tokens;

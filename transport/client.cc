@@ -263,8 +263,9 @@ void Client::Generate(const std::vector<rollout::Request>& requests,
   while (num_unsettled > 0 || num_outstanding > 0) {
     const int64_t left =
         std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
-    std::optional<WorkerMessage> reply;
-    if (left > 0) reply = Receive(left);
+    // Past the deadline, what is already queued still counts (the time went to the caller's
+    // on_sample, not to waiting).
+    std::optional<WorkerMessage> reply = Receive(std::max<int64_t>(left, 0));
     if (!reply) {
       throw TransportError(fmt::format("generate: no reply from {} within {} ms ({} requests unanswered, {} samples "
                                        "outstanding)", endpoint_, impl_->options.timeout_ms, num_unsettled,
@@ -294,6 +295,8 @@ void Client::Generate(const std::vector<rollout::Request>& requests,
       ++p.num_received;
       if (p.settled) --num_outstanding;
       on_sample(std::move(sample->result));
+      // The wait starts when the caller's on_sample returns.
+      deadline = Clock::now() + std::chrono::milliseconds(impl_->options.timeout_ms);
     }
   }
   if (first_error) throw WorkerError(std::move(*first_error));

@@ -35,7 +35,8 @@ struct ClientOptions {
   std::string curve_public_key;
   std::string curve_secret_key;
   /// How long a call waits for each reply it expects (and a send for room in the queue), ms.
-  /// Generate: how long it waits without a reply to one of its requests; the worker's liveness
+  /// Generate: how long it waits without a reply to one of its requests (time in on_sample does
+  /// not count); the worker's liveness
   /// probe counts only while every unfinished request waits on a min_policy_version above the
   /// worker's version (such requests make no progress by design), so a paused or stuck engine
   /// still times out.

@@ -235,6 +235,16 @@ TEST_F(SchedulerTest, RequestsWaitingForANewerPolicyVersionDoNotBlockTheQueue) {
   EXPECT_EQ(Step(2), (V{"later/0:3s"}));
 }
 
+TEST_F(SchedulerTest, AWaitingGroupTooLargeForTheFreeSeatsDoesNotBlockTheQueueWhileItWaitsForItsVersion) {
+  Init(64, 4, 64, /*max_seqs=*/4);
+  Add("running", 3, 1, 20);
+  EXPECT_EQ(Step(0), (V{"running/0:3s"}));
+  auto group = Add("group", 3, 4, 1);  // 1 + 4 seats > 4: it could not be admitted now anyway
+  group->request.min_policy_version = 1;
+  Add("small", 3, 1, 1);
+  EXPECT_EQ(Step(0), (V{"running/0:1s", "small/0:3s"}));
+}
+
 TEST_F(SchedulerTest, AbortOfAnUnforkedGroupAnswersEverySample) {
   Init(64, 4, 4);
   Add("g", 10, 3, 5);

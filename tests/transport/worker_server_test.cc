@@ -822,6 +822,21 @@ TEST(WorkerServerTest, ClientGenerateTimesOutOnAStuckEngineDespiteProbesButWaits
   EXPECT_EQ(samples[0].output_ids.size(), 4u);
 }
 
+TEST(WorkerServerTest, ClientGenerateDoesNotCountTimeSpentInOnSampleAsWaiting) {
+  // A caller whose on_sample takes longer than the client's timeout (a slow reward function)
+  // still gets every sample: the wait for the next reply starts when on_sample returns.
+  WorkerHarness worker;
+  ClientOptions options;
+  options.timeout_ms = 300;
+  auto client = Connect(worker.endpoint(), options);
+  int num_samples = 0;
+  EXPECT_NO_THROW(client->Generate({MakeRequest("slow-reader", {1, 5, 6}, 4, 1.0, 3, 5)}, [&](SampleResult) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(450));
+    ++num_samples;
+  }));
+  EXPECT_EQ(num_samples, 3);
+}
+
 TEST(WorkerServerTest, AWeightPushIsAcknowledgedWithItsChecksumAndNextSamplesCarryItsVersion) {
   WorkerHarness worker;
   auto trainer = Connect(worker.endpoint());
