@@ -32,11 +32,11 @@ typedef uint16_t U16x16 __attribute__((vector_size(32)));
 typedef uint32_t U32x16 __attribute__((vector_size(64)));
 typedef int32_t I32x16 __attribute__((vector_size(64)));
 
-inline void StoreBits(float* dst, U32x16 bits) { std::memcpy(dst, &bits, sizeof(bits)); }
+__attribute__((always_inline)) inline void StoreBits(float* dst, U32x16 bits) { std::memcpy(dst, &bits, sizeof(bits)); }
 
 /// float16: normal numbers re-biased (exponent + 112), subnormals as integer * 2^-24 (exact),
 /// inf/NaN keep an all-ones exponent (NaN payload in the top mantissa bits), sign copied.
-inline U32x16 Float16Bits(U16x16 h) {
+__attribute__((always_inline)) inline U32x16 Float16Bits(U16x16 h) {
   const U32x16 u = __builtin_convertvector(h, U32x16);
   const U32x16 em = u & 0x7fffu, sign = (u & 0x8000u) << 16;
   const U32x16 normal = (em << 13) + (112u << 23), special = (em << 13) | 0x7f800000u;
@@ -48,7 +48,7 @@ inline U32x16 Float16Bits(U16x16 h) {
   return (em < 0x400u ? sub_bits : (em >= 0x7c00u ? special : normal)) | sign;
 }
 
-inline uint32_t Float16Bits(uint16_t h) {  // the same arithmetic for one value
+__attribute__((always_inline)) inline uint32_t Float16Bits(uint16_t h) {  // the same arithmetic for one value
   const uint32_t em = h & 0x7fffu, sign = (h & 0x8000u) << 16;
   if (em < 0x400u) {
     const float sub = static_cast<float>(static_cast<int32_t>(em)) * 0x1p-24f;

@@ -103,6 +103,73 @@ void PagedKvCache::CopyBlocks(const std::vector<std::pair<int32_t, int32_t>>& sr
   }
 }
 
+namespace {
+
+/// Per-thread scratch of the 16-bit path, kept across calls (the OpenMP pool's threads persist):
+/// the group's blocks converted to fp32, and the renumbering of its block tables.
+struct SixteenBitScratch {
+  std::vector<float> k, v;
+  std::vector<int32_t> local_of;  // [num_blocks]: local index of a physical block in this group, or -1
+  std::vector<int32_t> physical;  // local index -> physical block
+  std::vector<int32_t> tables;    // the rows' renumbered tables, concatenated
+  std::vector<kernels::TokenRow> rows;
+};
+
+}  // namespace
+
+void PagedKvCache::AttendSixteenBit(const kernels::TokenRow* rows, int64_t count, int32_t shared_keys,
+                                    const uint8_t* k_store, const uint8_t* v_store, float scale,
+                                    std::vector<float>& scores) const {
+  // A group's blocks, each once (the shared prefix, and any block two rows have in common),
+  // converted to fp32 exactly (ConvertKvToFloat), then the same fp32 kernel over the scratch with
+  // the tables renumbered: bit for bit an fp32 cache holding the same values. A group whose
+  // blocks would take more than kMaxScratchBytes of fp32 runs row by row instead (each row's
+  // own blocks only), so the scratch stays near one sequence's fp32 keys and values.
+  constexpr int64_t kMaxScratchBytes = int64_t{32} << 20;
+  thread_local SixteenBitScratch s;
+  const int n_kv = config_.n_kv_heads, head_dim = config_.head_dim(), group = config_.n_heads / n_kv;
+  const int64_t token_stride = int64_t{n_kv} * head_dim, block_stride = token_stride * block_size_;
+  const int64_t elem = KvCacheDtypeBytes(dtype_);
+  if (static_cast<int64_t>(s.local_of.size()) < num_blocks_) s.local_of.resize(num_blocks_, -1);
+  int64_t num_group_blocks = 0;  // an upper bound: blocks counted per row
+  for (int64_t r = 0; r < count; ++r) num_group_blocks += (rows[r].num_keys + block_size_ - 1) / block_size_;
+  if (count > 1 && num_group_blocks * block_stride * 8 > kMaxScratchBytes) {
+    for (int64_t r = 0; r < count; ++r) AttendSixteenBit(rows + r, 1, 0, k_store, v_store, scale, scores);
+    return;
+  }
+  s.physical.clear();
+  s.tables.clear();
+  std::vector<int64_t> table_start(count);
+  for (int64_t r = 0; r < count; ++r) {
+    table_start[r] = static_cast<int64_t>(s.tables.size());
+    const int32_t num_row_blocks = (rows[r].num_keys + block_size_ - 1) / block_size_;
+    for (int32_t b = 0; b < num_row_blocks; ++b) {
+      const int32_t id = rows[r].table[b];
+      if (s.local_of[id] < 0) {
+        s.local_of[id] = static_cast<int32_t>(s.physical.size());
+        s.physical.push_back(id);
+      }
+      s.tables.push_back(s.local_of[id]);
+    }
+  }
+  const size_t floats = s.physical.size() * static_cast<size_t>(block_stride);
+  if (s.k.size() < floats) {
+    s.k.resize(floats);
+    s.v.resize(floats);
+  }
+  for (size_t j = 0; j < s.physical.size(); ++j) {
+    const int64_t src = s.physical[j] * block_stride * elem;
+    kernels::ConvertKvToFloat(dtype_, k_store + src, block_stride, s.k.data() + j * block_stride);
+    kernels::ConvertKvToFloat(dtype_, v_store + src, block_stride, s.v.data() + j * block_stride);
+    s.local_of[s.physical[j]] = -1;  // clean for the next group
+  }
+  s.rows.assign(rows, rows + count);
+  for (int64_t r = 0; r < count; ++r) s.rows[r].table = s.tables.data() + table_start[r];
+  // Shared blocks are the same physical blocks, so the same locals: shared_keys still holds.
+  kernels::AttendTokens(s.rows.data(), static_cast<int>(count), shared_keys, n_kv, group, head_dim, block_size_,
+                        s.k.data(), s.v.data(), block_stride, token_stride, scale, scores.data());
+}
+
 at::Tensor PagedKvCache::Attend(int layer, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
   c10::InferenceMode guard;
   const int64_t num_tokens = q.size(0);
@@ -120,8 +187,14 @@ at::Tensor PagedKvCache::Attend(int layer, const at::Tensor& q, const at::Tensor
   uint8_t* k_store = static_cast<uint8_t*>(k_[layer].data_ptr());
   uint8_t* v_store = static_cast<uint8_t*>(v_[layer].data_ptr());
   // A 16-bit cache stores the new keys and values rounded to nearest even (LibTorch's conversion).
-  const at::Tensor k_stored = dtype_ == KvCacheDtype::kFloat32 ? k : k.to(StorageType(dtype_));
-  const at::Tensor v_stored = dtype_ == KvCacheDtype::kFloat32 ? v : v.to(StorageType(dtype_));
+  // float16 saturates at its largest finite value (+-65504) rather than becoming inf (inf would
+  // turn the row's attention, and so its logprobs, into NaN).
+  auto stored = [&](const at::Tensor& x) {
+    if (dtype_ == KvCacheDtype::kFloat32) return x;
+    if (dtype_ == KvCacheDtype::kFloat16) return x.clamp(-65504.0, 65504.0).to(at::kHalf);
+    return x.to(at::kBFloat16);
+  };
+  const at::Tensor k_stored = stored(k), v_stored = stored(v);
   const uint8_t* k_new = static_cast<const uint8_t*>(k_stored.data_ptr());
   const uint8_t* v_new = static_cast<const uint8_t*>(v_stored.data_ptr());
   const int32_t* ids = layout_.block_ids.data();
@@ -195,14 +268,6 @@ at::Tensor PagedKvCache::Attend(int layer, const at::Tensor& q, const at::Tensor
   const int64_t grain = work < (int64_t{1} << 20) ? num_groups : 1;
   at::parallel_for(0, num_groups, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
-    // A 16-bit cache: the blocks a group reads, converted to fp32 (exactly) into scratch, then
-    // attended over by the same fp32 kernel with the tables renumbered into the scratch: the
-    // cache's memory traffic is halved, and the scratch stays in this core's caches. The result
-    // is bit for bit that of an fp32 cache holding the same (rounded) values.
-    std::vector<float> k_scratch, v_scratch;
-    std::vector<int32_t> physical, local_tables;
-    std::vector<int64_t> table_start;
-    std::vector<kernels::TokenRow> local_rows;
     for (int64_t g = begin; g < end; ++g) {
       const int64_t first = group_start[g], count = group_start[g + 1] - first;
       int max_keys = 0;
@@ -213,43 +278,9 @@ at::Tensor PagedKvCache::Attend(int layer, const at::Tensor& q, const at::Tensor
                               block_size_, reinterpret_cast<const float*>(k_store),
                               reinterpret_cast<const float*>(v_store), block_stride, token_stride, scale,
                               scores.data());
-        continue;
+      } else {
+        AttendSixteenBit(rows.data() + first, count, group_shared[g], k_store, v_store, scale, scores);
       }
-      // Local block j = physical block physical[j]. The first row's blocks are locals 0, 1, ...;
-      // a later row's block equal to the first row's at the same index (the shared prefix) reuses
-      // that local, any other block gets a new one.
-      physical.clear();
-      local_tables.clear();
-      table_start.clear();
-      const int32_t first_blocks = (rows[first].num_keys + block_size_ - 1) / block_size_;
-      for (int64_t t = first; t < first + count; ++t) {
-        table_start.push_back(static_cast<int64_t>(local_tables.size()));
-        const int32_t num_row_blocks = (rows[t].num_keys + block_size_ - 1) / block_size_;
-        for (int32_t b = 0; b < num_row_blocks; ++b) {
-          const int32_t id = rows[t].table[b];
-          if (t > first && b < first_blocks && rows[first].table[b] == id) {
-            local_tables.push_back(b);
-          } else {
-            local_tables.push_back(static_cast<int32_t>(physical.size()));
-            physical.push_back(id);
-          }
-        }
-      }
-      const size_t scratch = physical.size() * static_cast<size_t>(block_stride);
-      if (k_scratch.size() < scratch) {
-        k_scratch.resize(scratch);
-        v_scratch.resize(scratch);
-      }
-      for (size_t j = 0; j < physical.size(); ++j) {
-        const int64_t src = physical[j] * block_stride * elem;
-        kernels::ConvertKvToFloat(dtype_, k_store + src, block_stride, k_scratch.data() + j * block_stride);
-        kernels::ConvertKvToFloat(dtype_, v_store + src, block_stride, v_scratch.data() + j * block_stride);
-      }
-      local_rows.assign(rows.begin() + first, rows.begin() + first + count);
-      for (int64_t r = 0; r < count; ++r) local_rows[r].table = local_tables.data() + table_start[r];
-      kernels::AttendTokens(local_rows.data(), static_cast<int>(count), group_shared[g], n_kv, group, head_dim,
-                            block_size_, k_scratch.data(), v_scratch.data(), block_stride, token_stride, scale,
-                            scores.data());
     }
   });
   return out;

@@ -25,6 +25,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include "cache/attention_kernel.h"
 #include "cache/cache_types.h"
 #include "policy/attention_backend.h"
 #include "policy/model_config.h"
@@ -87,6 +88,9 @@ class PagedKvCache : public policy::AttentionBackend {
   std::vector<at::Tensor> k_;  // per layer [num_blocks, block_size, n_kv_heads, head_dim]
   std::vector<at::Tensor> v_;
   PagedStepLayout layout_;
+  /// Attention of `count` rows (one work item) over a 16-bit cache (see the .cc).
+  void AttendSixteenBit(const kernels::TokenRow* rows, int64_t count, int32_t shared_keys, const uint8_t* k_store,
+                        const uint8_t* v_store, float scale, std::vector<float>& scores) const;
   std::vector<int32_t> row_seq_;  // [num_tokens]: the sequence of each token row
   const std::vector<PolicyVersion>* block_versions_ = nullptr;
   PolicyVersion expected_version_ = 0;

@@ -255,6 +255,21 @@ INSTANTIATE_TEST_SUITE_P(Dtypes, SixteenBitKvCacheTest,
                                   std::to_string(std::get<1>(info.param));
                          });
 
+TEST(PagedKvCacheTest, AFloat16CacheSaturatesValuesBeyondItsRangeInsteadOfStoringInfinity) {
+  c10::InferenceMode guard;
+  ModelConfig config = policy::DefaultModelConfig();
+  const int64_t h = config.n_heads, kvh = config.n_kv_heads, d = config.head_dim();
+  PagedKvCache paged(config, 4, 4, KvCacheDtype::kFloat16);
+  paged.SetStep({{0, 2}, {2}, {0, 1}, {1}});
+  at::Tensor q = at::randn({2, h, d}), k = at::randn({2, kvh, d}), v = at::randn({2, kvh, d});
+  k[0][0][0] = 1e6f;
+  v[1][0][1] = -1e6f;
+  const at::Tensor out = paged.Attend(0, q, k, v);
+  EXPECT_TRUE(at::isfinite(out).all().item<bool>());
+  EXPECT_EQ(paged.keys(0)[1][0][0][0].item<float>(), 65504.0f);   // block 1, slot 0
+  EXPECT_EQ(paged.values(0)[1][1][0][1].item<float>(), -65504.0f);  // block 1, slot 1
+}
+
 TEST(PagedKvCacheTest, CopyBlocksCopiesEveryLayer) {
   c10::InferenceMode guard;
   ModelConfig config = policy::DefaultModelConfig();
