@@ -261,6 +261,99 @@ class GenerateTest(FakeWorkerTestCase):
         self.assertEqual(sent[0]["sampling"]["seed"], 2 ** 64 - 1)
 
 
+class GenerateIterTest(FakeWorkerTestCase):
+    """generate_iter: groups in completion order, early exit aborts, loop-body time."""
+
+    def test_groups_come_in_completion_order_each_with_its_prompt_index(self):
+        # Requests alternate between the workers (least loaded, then round robin): prompts 0 and
+        # 2 go to the slow worker, 1 and 3 to the fast one, so 1 and 3 complete first.
+        slow = self.workers[0]
+        slow.delay_with_probes_s = 0.5
+        prompts = [[3], [5], [7], [9]]
+        try:
+            outs = list(self.client.generate_iter(prompts, SamplingParams(max_tokens=4), n=3))
+        finally:
+            slow.delay_with_probes_s = 0.0
+        self.assertEqual(sorted(o.prompt_index for o in outs), [0, 1, 2, 3])
+        self.assertEqual({o.prompt_index for o in outs[:2]}, {1, 3})
+        for o in outs:
+            self.assertEqual(o.prompt_token_ids, prompts[o.prompt_index])
+            self.assertEqual([c.token_ids for c in o.outputs],
+                             [expected_tokens(prompts[o.prompt_index], i, 4, VOCAB) for i in range(3)])
+        # generate() gives the same groups in prompt order, prompt_index included.
+        listed = self.client.generate(prompts, SamplingParams(max_tokens=4), n=3)
+        self.assertEqual([o.prompt_index for o in listed], [0, 1, 2, 3])
+        by_index = {o.prompt_index: o for o in outs}
+        self.assertEqual([[c.token_ids for c in o.outputs] for o in listed],
+                         [[c.token_ids for c in by_index[i].outputs] for i in range(4)])
+
+    def test_leaving_the_loop_early_aborts_the_unfinished_requests_and_the_client_goes_on(self):
+        slow = self.workers[0]
+        slow.delay_with_probes_s = 1.0
+        try:
+            it = self.client.generate_iter([[3], [5], [7], [9]], SamplingParams(max_tokens=2))
+            first = next(it)
+            self.assertIn(first.prompt_index, (1, 3))
+            # Another call while the iteration is open would read (and drop) its replies.
+            with self.assertRaisesRegex(RuntimeError, "generate_iter"):
+                self.client.stats()
+            with self.assertRaisesRegex(RuntimeError, "generate_iter"):
+                self.client.generate([[4]])
+            it.close()
+            slow_ids = sorted(h["request_id"] for t, h in slow.received if t == "generate")
+            self.assertEqual(len(slow_ids), 2)
+            wait_until(lambda: slow.types().count("abort") == 2, "aborts of the slow worker's requests")
+            self.assertEqual(sorted(h["request_id"] for t, h in slow.received if t == "abort"),
+                             slow_ids)
+        finally:
+            slow.delay_with_probes_s = 0.0
+        # The aborted requests' late samples are dropped; the next call gets its own results.
+        time.sleep(1.1)
+        outs = self.client.generate([[4], [6]], SamplingParams(max_tokens=2))
+        self.assertEqual([o.outputs[0].token_ids for o in outs],
+                         [expected_tokens([4], 0, 2, VOCAB), expected_tokens([6], 0, 2, VOCAB)])
+        self.assertEqual(self.client.stats()[self.workers[1].endpoint]["policy_version"], 0)
+
+    def test_an_exception_in_the_loop_body_aborts_the_rest(self):
+        slow = self.workers[0]
+        slow.delay_with_probes_s = 1.0
+        try:
+            with self.assertRaises(KeyError):
+                for _ in self.client.generate_iter([[3], [5]], SamplingParams(max_tokens=2)):
+                    raise KeyError("reward function failed")
+            wait_until(lambda: slow.types().count("abort") == 1, "the abort of the slow request")
+        finally:
+            slow.delay_with_probes_s = 0.0
+
+    def test_time_spent_in_the_loop_body_does_not_count_as_worker_silence(self):
+        # The slow worker answers 1.6 s after a request, within timeout_s (1.0) of the moment
+        # the loop body returns at 1.2 s; counted from its accept it would be 1.6 s of silence.
+        slow, fast = self.workers
+        slow.delay_with_probes_s = 1.6
+        client = VrollClient([slow.endpoint, fast.endpoint], timeout_s=1.0)
+        try:
+            got = []
+            for out in client.generate_iter([[3], [5]], SamplingParams(max_tokens=2)):
+                got.append(out.prompt_index)
+                if len(got) == 1:
+                    time.sleep(1.2)  # e.g. scoring the first group
+            self.assertEqual(got, [1, 0])
+            # The same slow worker with nobody waiting in a loop body is a timeout.
+            with self.assertRaises(VrollTimeoutError):
+                list(client.generate_iter([[3], [5]], SamplingParams(max_tokens=2)))
+        finally:
+            client.close(linger_ms=0)
+            slow.delay_with_probes_s = 0.0
+
+    def test_arguments_are_checked_when_called_and_nothing_is_sent(self):
+        with self.assertRaises(ValueError):
+            self.client.generate_iter([[1], []])
+        with self.assertRaises(TypeError):
+            self.client.generate_iter([[1], [1.5]])
+        self.assertEqual(list(self.client.generate_iter([])), [])
+        self.assertFalse([t for w in self.workers for t in w.types() if t == "generate"])
+
+
 class PushWeightsTest(FakeWorkerTestCase):
     def test_two_phase_push_with_mixed_dtypes_and_odd_chunks(self):
         weights = make_weights(1)

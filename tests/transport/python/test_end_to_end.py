@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 import unittest
 
 import torch
@@ -321,6 +322,35 @@ class TwoWorkersTest(unittest.TestCase):
         self.assertEqual((failure.code, failure.request), ("update_failed", "update_chunk"))
         self.assertEqual(self.versions(), before)
         self.client.push_weights(make_weights(seed=10), version=max(before) + 1)
+
+    def test_generate_iter_yields_groups_as_they_complete_and_an_early_exit_aborts_the_rest(self):
+        short, long_ = SamplingParams(temperature=1.0, max_tokens=4), SamplingParams(
+            temperature=1.0, max_tokens=240)
+        prompts = [[1, 72], [1, 84], [1, 87], [1, 66], [1, 99], [1, 70]]
+        params = [long_, short, long_, short, long_, short]
+        got = []
+        for out in self.client.generate_iter(prompts, params, n=4):
+            self.assertEqual(out.prompt_token_ids, prompts[out.prompt_index])
+            self.assertEqual([c.index for c in out.outputs], [0, 1, 2, 3])
+            got.append(out)
+            if len(got) == 3:
+                break
+        # The three 4-token groups finish ~236 steps before any 240-token one.
+        self.assertEqual(sorted(o.prompt_index for o in got), [1, 3, 5])
+        self.assertTrue(all(len(c.token_ids) == 4 for o in got for c in o.outputs))
+
+        def idle():
+            return all(s["num_running"] == 0 and s["num_waiting"] == 0
+                       for s in self.client.stats().values())
+        deadline = time.monotonic() + 30
+        while not idle():
+            self.assertLess(time.monotonic(), deadline, "workers still busy after the early exit")
+            time.sleep(0.05)
+        # The aborted groups' samples are dropped, not mistaken for the next call's.
+        outs = self.client.generate([[1, 72], [1, 84]], short, n=2)
+        self.assertEqual([o.prompt_index for o in outs], [0, 1])
+        self.assertTrue(all(len(c.token_ids) == 4 and c.finish_reason == "length"
+                            for o in outs for c in o.outputs))
 
     def test_cli_health_and_stats(self):
         env = dict(os.environ)

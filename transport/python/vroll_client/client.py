@@ -22,7 +22,7 @@ import numbers
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 import zmq
 
@@ -231,6 +231,7 @@ class VrollClient:
         self._id_prefix = uuid.uuid4().hex[:12]
         self._ids = itertools.count()
         self._round_robin = 0
+        self._iterating = False  # a generate()/generate_iter() collection is under way
         self._closed = False
 
     @staticmethod
@@ -303,8 +304,14 @@ class VrollClient:
         worker.reset(linger_ms)
         self._poller.register(worker.socket, zmq.POLLIN)
 
-    def _poll(self, timeout_s: float) -> List[Tuple[_Worker, Dict[str, Any], List[bytes]]]:
-        """Every message that arrives within timeout_s (returns at the first batch)."""
+    def _poll(self, timeout_s: float,
+              iteration: bool = False) -> List[Tuple[_Worker, Dict[str, Any], List[bytes]]]:
+        """Every message that arrives within timeout_s (returns at the first batch). Refused
+        while a generate_iter iteration is open, unless it is that iteration's own poll: a
+        reply of its requests read here would be dropped."""
+        if self._iterating and not iteration:
+            raise RuntimeError("the client is in the middle of a generate_iter() iteration: finish "
+                               "it, break out of it or close() the iterator before other calls")
         events = dict(self._poller.poll(max(0, int(timeout_s * 1000))))
         received = []
         for w in self._workers:
@@ -481,6 +488,48 @@ class VrollClient:
             unfinished request is aborted, the silent worker's best effort on its old socket,
             which is then reset).
         """
+        requests, workers = self._prepare_generate(prompts, sampling_params, n, min_policy_version,
+                                                   endpoints)
+        for _ in self._run_generate(requests, workers):
+            pass
+        return [self._request_output(r) for r in requests]
+
+    def generate_iter(self, prompts: Union[Sequence[int], Sequence[Sequence[int]]],
+                      sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
+                      n: Optional[int] = None, min_policy_version: int = 0,
+                      endpoints: Optional[Sequence[str]] = None) -> Iterator[RequestOutput]:
+        """generate(), yielding each prompt's RequestOutput as soon as all of its n samples have
+        finished, in the order the groups complete (``RequestOutput.prompt_index`` says which
+        prompt it is). For trainers that score groups while others still generate, or that stop
+        once they have enough (e.g. dynamic sampling): leaving the loop early (``break``, an
+        exception, or ``close()`` on the iterator) aborts this call's unfinished requests on
+        their workers, so that their samples stop being computed; their results are dropped.
+
+        The arguments are checked when this is called (same errors as generate, nothing sent);
+        requests are sent when the iteration starts. Time spent in the loop body between two
+        outputs does not count towards ``timeout_s``. While the loop body runs, samples that
+        finish wait in the client's socket (the workers go on generating up to
+        ``max_in_flight`` samples each). The client is not thread-safe: do not call other
+        methods of it from the loop body before the iteration has ended.
+
+        Raises (from the iteration): as generate(), with the call's other unfinished requests
+        aborted.
+        """
+        requests, workers = self._prepare_generate(prompts, sampling_params, n, min_policy_version,
+                                                   endpoints)
+        return (self._request_output(r) for r in self._run_generate(requests, workers))
+
+    @staticmethod
+    def _request_output(r: _PendingRequest) -> RequestOutput:
+        return RequestOutput(r.request_id, list(r.header["prompt"]), list(r.samples),
+                             r.worker.endpoint if r.worker else "", r.index)
+
+    def _prepare_generate(self, prompts: Union[Sequence[int], Sequence[Sequence[int]]],
+                          sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]],
+                          n: Optional[int], min_policy_version: int,
+                          endpoints: Optional[Sequence[str]]
+                          ) -> Tuple[List[_PendingRequest], List[_Worker]]:
+        """Checks generate's arguments and builds its requests (nothing is sent)."""
         if _is_int(next(iter(prompts), None)):
             prompts = [prompts]  # one prompt given flat, as vLLM accepts
         if sampling_params is None:
@@ -517,9 +566,25 @@ class VrollClient:
             if not header["prompt"]:
                 raise ValueError(f"prompts[{i}] is empty (a prompt needs at least one token)")
             requests.append(_PendingRequest(i, rid, header, num_samples, [None] * num_samples))
-        if not requests:
-            return []
+        return requests, workers
 
+    def _run_generate(self, requests: List[_PendingRequest],
+                      workers: List[_Worker]) -> Iterator[_PendingRequest]:
+        """Sends `requests` and collects their samples, yielding each request once all of its
+        samples are in. Leaving it early (GeneratorExit included) aborts what is unfinished."""
+        if not requests:
+            return
+        if self._iterating:
+            raise RuntimeError("the client is in the middle of a generate_iter() iteration: finish "
+                               "it, break out of it or close() the iterator before other calls")
+        self._iterating = True
+        try:
+            yield from self._collect(requests, workers)
+        finally:
+            self._iterating = False
+
+    def _collect(self, requests: List[_PendingRequest],
+                 workers: List[_Worker]) -> Iterator[_PendingRequest]:
         for w in self._workers:
             w.reset_generate()
         queue = collections.deque(requests)
@@ -528,14 +593,24 @@ class VrollClient:
         try:
             while num_done < len(requests):
                 self._dispatch(workers, queue, in_flight)
-                for w, header, _ in self._poll(self._generate_wait_s(workers, queue)):
-                    num_done += self._on_generate_reply(w, header, queue, in_flight)
+                done = []
+                for w, header, _ in self._poll(self._generate_wait_s(workers, queue),
+                                               iteration=True):
+                    request = self._on_generate_reply(w, header, queue, in_flight)
+                    if request is not None:
+                        done.append(request)
                 self._check_silence(in_flight)
+                for request in done:
+                    num_done += 1
+                    yield request
+                if done:
+                    # The caller's time between outputs is not the workers' silence.
+                    now = time.monotonic()
+                    for w in workers:
+                        w.last_heard = max(w.last_heard, now)
         except BaseException:
             self._abort_requests(in_flight.values())
             raise
-        return [RequestOutput(r.request_id, list(r.header["prompt"]), list(r.samples),
-                              r.worker.endpoint if r.worker else "") for r in requests]
 
     def _dispatch(self, workers: Sequence[_Worker], queue: "collections.deque[_PendingRequest]",
                   in_flight: Dict[str, _PendingRequest]) -> None:
@@ -587,8 +662,8 @@ class VrollClient:
 
     def _on_generate_reply(self, w: _Worker, header: Dict[str, Any],
                            queue: "collections.deque[_PendingRequest]",
-                           in_flight: Dict[str, _PendingRequest]) -> int:
-        """Applies one reply to the generate state; returns 1 when it completed a request."""
+                           in_flight: Dict[str, _PendingRequest]) -> Optional[_PendingRequest]:
+        """Applies one reply to the generate state; returns the request it completed, if any."""
         request = in_flight.get(header.get("id"))
         if request is None or request.worker is not w:
             if header.get("type") == "health" and not header.get("id"):
@@ -604,7 +679,7 @@ class VrollClient:
                 if mine and all(r.header.get("min_policy_version", 0) > version for r in mine):
                     w.last_heard = time.monotonic()
             self._drop(w, header)
-            return 0
+            return None
         now = time.monotonic()
         w.last_heard = now
         type_ = header.get("type")
@@ -612,7 +687,7 @@ class VrollClient:
             request.accepted = True
             w.num_accepted_requests += 1
             w.num_overloaded = 0
-            return 0
+            return None
         if type_ == "sample":
             output = CompletionOutput.from_reply(header)
             if not 0 <= output.index < request.n or request.samples[output.index] is not None:
@@ -623,14 +698,14 @@ class VrollClient:
             request.num_received += 1
             w.num_inflight_samples -= 1
             if request.num_received < request.n:
-                return 0
+                return None
             del in_flight[request.request_id]
             w.num_inflight_requests -= 1
             if request.accepted:
                 w.num_accepted_requests -= 1
             # A pending slot of the worker is free: retry at once what it refused.
             w.backoff_until = 0.0
-            return 1
+            return request
         if type_ == "error":
             error = WorkerError.from_reply(w.endpoint, header, f"generate {request.request_id}")
             if error.code == "overloaded" and not request.accepted and request.num_received == 0:
@@ -652,10 +727,10 @@ class VrollClient:
                                             0.01 * 2 ** min(w.num_overloaded, 10))
                 request.worker = None
                 queue.appendleft(request)
-                return 0
+                return None
             raise error
         self._drop(w, header)
-        return 0
+        return None
 
     def _check_silence(self, in_flight: Dict[str, _PendingRequest]) -> None:
         now = time.monotonic()

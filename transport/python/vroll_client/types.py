@@ -140,12 +140,14 @@ class RequestOutput:
       prompt_token_ids: the prompt as sent.
       outputs: n CompletionOutputs, ``outputs[i].index == i``.
       worker: the endpoint of the worker that generated it.
+      prompt_index: the position of its prompt in the ``prompts`` of the generate call.
     """
 
     request_id: str
     prompt_token_ids: List[int]
     outputs: List[CompletionOutput]
     worker: str = ""
+    prompt_index: int = 0
 
 
 @dataclass
