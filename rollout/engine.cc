@@ -16,6 +16,20 @@ namespace vroll::rollout {
 
 namespace {
 
+/// Calls a caller's callback (a result, an update's acknowledgement) on the engine thread. One
+/// that throws is logged and ignored: the exception must not unwind the step loop between a
+/// request's bookkeeping and its other deliveries, or leave an acknowledged update pending.
+template <typename F, typename Arg>
+void CallBack(const char* what, const F& callback, Arg&& arg) noexcept {
+  try {
+    callback(std::forward<Arg>(arg));
+  } catch (const std::exception& e) {
+    Logger("rollout").error("{} callback threw (ignored): {}", what, e.what());
+  } catch (...) {
+    Logger("rollout").error("{} callback threw a non-standard exception (ignored)", what);
+  }
+}
+
 uint64_t SplitMix(uint64_t& state) {
   uint64_t z = (state += 0x9e3779b97f4a7c15ULL);
   z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
@@ -226,9 +240,10 @@ SubmitStatus Engine::Submit(Request request, ResultCallback on_result) {
     if (pending_ids_.count(request.request_id) != 0) {
       return {SubmitStatus::Code::kInvalid, fmt::format("request_id '{}' is already in flight", request.request_id)};
     }
-    pending_ids_[request.request_id] = request.n;
+    const uint64_t submission = ++num_submissions_;
+    pending_ids_[request.request_id] = submission;
     ++num_pending_;
-    inbox_.emplace_back(std::move(request), std::move(on_result));
+    inbox_.push_back(Submitted{std::move(request), std::move(on_result), submission});
   }
   cv_.notify_all();
   return {};
@@ -237,31 +252,41 @@ SubmitStatus Engine::Submit(Request request, ResultCallback on_result) {
 void Engine::Abort(const std::string& request_id) {
   {
     std::lock_guard<std::mutex> lock(mu_);
-    abort_inbox_.push_back(request_id);
+    auto it = pending_ids_.find(request_id);
+    if (it == pending_ids_.end()) return;  // finished (or never accepted): nothing to end
+    abort_inbox_.emplace_back(request_id, it->second);
   }
   cv_.notify_all();
 }
 
 void Engine::DrainInbox() {
-  std::vector<std::pair<Request, ResultCallback>> inbox;
-  std::vector<std::string> aborts;
+  std::vector<Submitted> inbox;
+  std::vector<std::pair<std::string, uint64_t>> aborts;
   {
     std::lock_guard<std::mutex> lock(mu_);
     inbox.swap(inbox_);
     aborts.swap(abort_inbox_);
   }
-  for (auto& [request, callback] : inbox) {
+  for (Submitted& submitted : inbox) {
     auto state = std::make_shared<RequestState>();
+    Request& request = submitted.request;
     state->seed = request.seed.has_value() ? *request.seed : SplitMix(seed_state_);
     state->submit_time = Clock::now();
     state->num_unfinished = request.n;
+    state->submission = submitted.submission;
     state->request = std::move(request);
     const std::string id = state->request.request_id;
     live_[id] = state;
-    callbacks_[id] = std::move(callback);
+    callbacks_[id] = std::move(submitted.on_result);
     scheduler_->AddRequest(std::move(state));
   }
-  for (const std::string& id : aborts) Emit(scheduler_->AbortRequest(id, FinishReason::kAborted));
+  for (const auto& [id, submission] : aborts) {
+    // Only the submission the abort was meant for: that one may have finished since, and its
+    // id been reused by a new request added above.
+    auto live = live_.find(id);
+    if (live == live_.end() || live->second->submission != submission) continue;
+    Emit(scheduler_->AbortRequest(id, FinishReason::kAborted));
+  }
 }
 
 void Engine::Emit(std::vector<SampleResult> results) {
@@ -292,7 +317,7 @@ void Engine::Emit(std::vector<SampleResult> results) {
   // longer running): publish before delivering.
   PublishStats();
   for (auto& [callback, result] : deliveries) {
-    if (callback) callback(std::move(result));
+    if (callback) CallBack("result", callback, std::move(result));
   }
 }
 
@@ -431,7 +456,7 @@ void Engine::RefuseUpdate(PendingUpdate& u, std::string error) {
     update_pending_ = false;
   }
   Logger("rollout").warn("weight update refused: {}", ack.error);
-  if (u.on_done) u.on_done(std::move(ack));
+  if (u.on_done) CallBack("weight update", u.on_done, std::move(ack));
 }
 
 void Engine::ApplyUpdate(PendingUpdate& u, UpdateResult ack) {
@@ -468,7 +493,7 @@ void Engine::ApplyUpdate(PendingUpdate& u, UpdateResult ack) {
       runner_->last_apply_prepacked() ? fmt::format(", packed while staging in {:.1f} ms", runner_->last_prepack_ms())
                                       : std::string(", repacked here"),
       ack.weights_checksum);
-  if (u.on_done) u.on_done(std::move(ack));
+  if (u.on_done) CallBack("weight update", u.on_done, std::move(ack));
 }
 
 std::shared_ptr<policy::WeightUpdateStaging> Engine::MakeStaging() {
@@ -618,30 +643,49 @@ EngineStats Engine::stats() const {
 }
 
 std::vector<SampleResult> Engine::Generate(const std::vector<Request>& requests) {
-  std::mutex mu;
-  std::condition_variable cv;
-  std::vector<SampleResult> results;
+  // Shared with the callbacks: a request still running when this call throws (a later request
+  // refused, or an idle engine) delivers its results into this state, not into a dead frame.
+  struct Collected {
+    std::mutex mu;
+    std::condition_variable cv;
+    std::vector<SampleResult> results;
+  };
+  auto collected = std::make_shared<Collected>();
   size_t expected = 0;
   for (const Request& r : requests) expected += static_cast<size_t>(std::max(r.n, 0));
+  std::vector<std::string> submitted;
+  auto received = [&] {
+    std::lock_guard<std::mutex> lock(collected->mu);
+    return collected->results.size();
+  };
+  // On failure, the requests already submitted are aborted (nobody will read their samples).
+  auto fail = [&](const auto& error) {
+    for (const std::string& id : submitted) Abort(id);
+    if (!Threaded()) DrainInbox();
+    throw error;
+  };
   for (const Request& r : requests) {
-    SubmitStatus s = Submit(r, [&](SampleResult result) {
-      std::lock_guard<std::mutex> lock(mu);
-      results.push_back(std::move(result));
-      cv.notify_all();
+    SubmitStatus s = Submit(r, [collected](SampleResult result) {
+      std::lock_guard<std::mutex> lock(collected->mu);
+      collected->results.push_back(std::move(result));
+      collected->cv.notify_all();
     });
-    if (!s.ok()) throw std::invalid_argument(fmt::format("request '{}' refused: {}", r.request_id, s.error));
+    if (!s.ok()) fail(std::invalid_argument(fmt::format("request '{}' refused: {}", r.request_id, s.error)));
+    submitted.push_back(r.request_id);
   }
   if (Threaded()) {
-    std::unique_lock<std::mutex> lock(mu);
-    cv.wait(lock, [&] { return results.size() >= expected; });
+    std::unique_lock<std::mutex> lock(collected->mu);
+    collected->cv.wait(lock, [&] { return collected->results.size() >= expected; });
   } else {
-    while (results.size() < expected) {
+    while (received() < expected) {
       if (!Step()) {
-        throw std::runtime_error(fmt::format("engine went idle with {} of {} samples unfinished (min_policy_version "
-                                             "not reached?)", expected - results.size(), expected));
+        const size_t got = received();
+        fail(std::runtime_error(fmt::format("engine went idle with {} of {} samples unfinished (min_policy_version "
+                                            "not reached?)", expected - got, expected)));
       }
     }
   }
+  std::vector<SampleResult> results = std::move(collected->results);
   std::sort(results.begin(), results.end(), [](const SampleResult& a, const SampleResult& b) {
     return std::tie(a.request_id, a.sample_index) < std::tie(b.request_id, b.sample_index);
   });

@@ -150,14 +150,18 @@ class Engine {
   void Stop();
 
   /// Validates and queues `request`; `on_result` is called once per sample, on the engine thread,
-  /// as each finishes (it must be quick: enqueue and return). Refusals are returned, not thrown.
+  /// as each finishes (it must be quick: enqueue and return; an exception it throws is logged and
+  /// ignored). Refusals are returned, not thrown.
   SubmitStatus Submit(Request request, ResultCallback on_result);
-  /// Ends the request's unfinished samples with finish reason "aborted". Unknown ids: no-op.
+  /// Ends the request's unfinished samples with finish reason "aborted". Unknown or finished ids:
+  /// no-op (an abort of a finished request does not end a later one that reuses its id).
   void Abort(const std::string& request_id);
 
   /// Submits all and waits for every sample's result; returns them ordered by (request, sample).
   /// With the thread stopped, runs steps on the calling thread. Throws std::invalid_argument
-  /// naming the request when one is refused.
+  /// naming the request when one is refused, or (thread stopped) std::runtime_error when the
+  /// engine goes idle first (e.g. min_policy_version not reached); the call's requests already
+  /// submitted are then aborted.
   std::vector<SampleResult> Generate(const std::vector<Request>& requests);
 
   /// Runs one step on the calling thread (engine not started). Returns false when idle.
@@ -270,10 +274,18 @@ class Engine {
   // Inbox: guarded by mu_.
   mutable std::mutex mu_;
   std::condition_variable cv_;
-  std::vector<std::pair<Request, ResultCallback>> inbox_;
-  std::vector<std::string> abort_inbox_;
+  struct Submitted {
+    Request request;
+    ResultCallback on_result;
+    uint64_t submission;  // Submit's count: which use of a request id this is
+  };
+  std::vector<Submitted> inbox_;
+  // Aborts of live requests: the id and the submission it ends, so that an abort still queued
+  // when its request finishes cannot end a later request that reuses the id.
+  std::vector<std::pair<std::string, uint64_t>> abort_inbox_;
   int num_pending_ = 0;   // accepted and not finished (bounded by max_pending_requests)
-  std::unordered_map<std::string, int> pending_ids_;  // live request ids (duplicate check)
+  std::unordered_map<std::string, uint64_t> pending_ids_;  // live request id -> its submission
+  uint64_t num_submissions_ = 0;
   bool stop_ = false;
   bool threaded_ = false;  // between Start() and the end of Stop(): the engine thread owns the engine
   bool paused_ = false;

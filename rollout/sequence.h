@@ -22,6 +22,7 @@ struct RequestState {
   Clock::time_point submit_time;
   int num_unfinished = 0;         ///< samples not yet finished (scheduler)
   int num_emitted = 0;            ///< results handed to the caller (engine); done at request.n
+  uint64_t submission = 0;        ///< the engine's count of Submit calls when it was accepted
   bool aborted = false;
 };
 

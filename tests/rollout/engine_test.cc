@@ -507,6 +507,65 @@ TEST(EngineTest, ARequestIdIsFreeAgainWhenItsLastSampleIsDelivered) {
   e.Stop();
 }
 
+// An abort that reaches the engine after its request finished must not end a later request
+// that reuses the id (the worker answers a client's abort of a finished request, then its new
+// request of that id, in this order).
+TEST(EngineTest, AnAbortOfAFinishedRequestDoesNotEndALaterOneReusingItsId) {
+  Engine e(Default(), SmallConfig());
+  std::vector<SampleResult> results;
+  auto collect = [&](SampleResult r) { results.push_back(std::move(r)); };
+  ASSERT_TRUE(e.Submit(MakeRequest("p0", {1, 2, 3}, 2), collect).ok());
+  while (e.Step()) {
+  }
+  ASSERT_EQ(results.size(), 1u);
+  e.Abort("p0");  // finished: nothing to end
+  ASSERT_TRUE(e.Submit(MakeRequest("p0", {1, 2, 3}, 3), collect).ok());
+  while (e.Step()) {
+  }
+  ASSERT_EQ(results.size(), 2u);
+  EXPECT_EQ(results[1].finish_reason, FinishReason::kLength);
+  EXPECT_EQ(results[1].output_ids.size(), 3u);
+  // An abort queued while its request is live still ends it, even when both arrive together.
+  ASSERT_TRUE(e.Submit(MakeRequest("p1", {1, 2, 3}, 50), collect).ok());
+  e.Abort("p1");
+  while (e.Step()) {
+  }
+  ASSERT_EQ(results.size(), 3u);
+  EXPECT_EQ(results[2].finish_reason, FinishReason::kAborted);
+}
+
+// Generate throwing (a later request refused, or the engine idle with requests waiting for a
+// version) leaves none of its requests behind: they are aborted, so their results are neither
+// computed for nobody nor delivered into the finished call (checked by the sanitizer builds).
+TEST(EngineTest, AGenerateThatThrowsAbortsTheRequestsItHadSubmitted) {
+  {
+    Engine e(Default(), SmallConfig());  // no thread: Generate runs the steps
+    Request waiting = MakeRequest("waits", {1, 2, 3}, 5);
+    waiting.min_policy_version = 1;
+    EXPECT_THROW(e.Generate({MakeRequest("runs", {1, 2}, 3), waiting}), std::runtime_error);
+    EXPECT_EQ(e.stats().num_waiting, 0);
+    EXPECT_EQ(e.stats().num_running, 0);
+    EXPECT_FALSE(e.Step());
+  }  // ~Engine: nothing left to abort into the call's results
+  Engine e(Default(), SmallConfig());
+  e.Start();
+  e.Pause();  // the first request stays queued while the second is refused
+  const int64_t finished_before = e.stats().num_finished_samples;
+  EXPECT_THROW(e.Generate({MakeRequest("first", {1, 2, 3}, 200), MakeRequest("bad", {1, 99999}, 3)}),
+               std::invalid_argument);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (e.stats().num_finished_samples == finished_before) {  // its sample ends "aborted"
+    ASSERT_LT(std::chrono::steady_clock::now(), deadline) << "the refused call's first request was not aborted";
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  EXPECT_EQ(e.stats().num_waiting, 0);
+  e.Resume();
+  const std::vector<SampleResult> again = e.Generate({MakeRequest("first", {1, 2, 3}, 4)});
+  ASSERT_EQ(again.size(), 1u);
+  EXPECT_EQ(again[0].output_ids.size(), 4u);
+  e.Stop();
+}
+
 TEST(EngineTest, BoundedQueueAnswersOverloaded) {
   EngineConfig c = SmallConfig();
   c.max_pending_requests = 3;
