@@ -139,6 +139,14 @@ void PagedKvCache::AttendSixteenBit(const kernels::TokenRow* rows, int64_t count
   }
   s.physical.clear();
   s.tables.clear();
+  // local_of must be all -1 again when this returns, also when an allocation below throws (the
+  // engine survives a failed step, and a stale entry would map a block to another's scratch).
+  struct ResetLocals {
+    SixteenBitScratch& s;
+    ~ResetLocals() {
+      for (int32_t id : s.physical) s.local_of[id] = -1;
+    }
+  } reset_locals{s};
   std::vector<int64_t> table_start(count);
   for (int64_t r = 0; r < count; ++r) {
     table_start[r] = static_cast<int64_t>(s.tables.size());
@@ -161,7 +169,6 @@ void PagedKvCache::AttendSixteenBit(const kernels::TokenRow* rows, int64_t count
     const int64_t src = s.physical[j] * block_stride * elem;
     kernels::ConvertKvToFloat(dtype_, k_store + src, block_stride, s.k.data() + j * block_stride);
     kernels::ConvertKvToFloat(dtype_, v_store + src, block_stride, s.v.data() + j * block_stride);
-    s.local_of[s.physical[j]] = -1;  // clean for the next group
   }
   s.rows.assign(rows, rows + count);
   for (int64_t r = 0; r < count; ++r) s.rows[r].table = s.tables.data() + table_start[r];
