@@ -54,7 +54,8 @@ void AttendTokens(const TokenRow* rows, int num_rows, int shared_keys, int n_kv,
 
 /// dst[i] = the fp32 value of element i of `src` (n elements of `dtype`, cache_types.h): exact
 /// for every float16 and bfloat16 bit pattern (subnormals, inf, NaN), with integer vector
-/// operations in every ISA clone. PagedKvCache reads a 16-bit cache's blocks through it into
+/// operations in every ISA clone, except float16 on CPUs with AVX-512F: the hardware conversion
+/// (VCVTPH2PS; same values, NaN payloads kept). PagedKvCache reads a 16-bit cache's blocks through it into
 /// fp32 scratch that AttendTokens then attends over.
 void ConvertKvToFloat(KvCacheDtype dtype, const void* src, int64_t n, float* dst);
 
