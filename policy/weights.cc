@@ -1,5 +1,7 @@
 #include "policy/weights.h"
 
+#include <algorithm>
+#include <cmath>
 #include <set>
 
 #include <fmt/format.h>
@@ -61,6 +63,13 @@ void ValidateWeights(const ModelConfig& config, const WeightMap& weights, const 
     if (static_cast<int64_t>(t.data.size()) != t.numel()) {
       throw LoadError(fmt::format("{}: weight {} holds {} values but its shape [{}] needs {}", source, name,
                                   t.data.size(), fmt::join(shape, ", "), t.numel()));
+    }
+    // As for weight updates (policy/weight_update.h): a NaN or inf weight would make every
+    // sample's logits NaN.
+    const auto bad = std::find_if(t.data.begin(), t.data.end(), [](float v) { return !std::isfinite(v); });
+    if (bad != t.data.end()) {
+      throw LoadError(fmt::format("{}: weight {} element {} is {} (weights must be finite)", source, name,
+                                  bad - t.data.begin(), *bad));
     }
   }
   if (weights.size() == expected.size()) return;  // every expected name is present, so none is extra

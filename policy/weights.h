@@ -52,7 +52,8 @@ std::vector<std::pair<std::string, std::vector<int64_t>>> ExpectedWeightShapes(c
 /// Throws LoadError (prefixed with `source`, naming the weight) unless `weights` holds exactly the
 /// expected names with the expected shapes and data sizes: "<source>: missing weight <name>",
 /// "... weight <name> has shape [a, b], expected [c, d]", "... holds N values but its shape ...
-/// needs M", "... unexpected weight <name>".
+/// needs M", "... unexpected weight <name>", "... weight <name> element i is nan (weights must be
+/// finite)" (NaN or inf, as weight updates refuse them).
 void ValidateWeights(const ModelConfig& config, const WeightMap& weights, const std::string& source);
 
 }  // namespace vroll::policy

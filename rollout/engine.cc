@@ -321,6 +321,18 @@ void Engine::Emit(std::vector<SampleResult> results) {
   }
 }
 
+void Engine::WarnOfNonFiniteLogits(const std::vector<SampleResult>& finished, PolicyVersion version) {
+  if (nonfinite_warned_version_ == version + 1) return;  // once per policy version
+  const auto bad = std::count_if(finished.begin(), finished.end(), [](const SampleResult& r) {
+    return r.finish_reason == FinishReason::kError && r.error.rfind(kNonFiniteLogits, 0) == 0;
+  });
+  if (bad == 0) return;
+  nonfinite_warned_version_ = version + 1;
+  Logger("rollout").warn("policy version {} produces NaN or inf logits: {} sample(s) ended with finish reason error "
+                         "this step, and so will every sample that meets them (warned once per version)",
+                         version, bad);
+}
+
 bool Engine::Step() {
   const auto t0 = Clock::now();
   DrainInbox();
@@ -349,6 +361,7 @@ bool Engine::Step() {
   const std::vector<TokenChoice> choices = runner_->Sample(targets);
   counters_.sample_seconds += seconds_since(mark);
   std::vector<SampleResult> finished = scheduler_->Commit(plan, targets, choices, version);
+  WarnOfNonFiniteLogits(finished, version);
   (void)kv_->ReclaimRetired(64);
   counters_.commit_seconds += seconds_since(mark);
 

@@ -244,6 +244,9 @@ class Engine {
   void PublishStats();
   void Emit(std::vector<SampleResult> results);
   void AbortAll();
+  /// Logs (once per policy version) that samples ended on NaN/inf logits.
+  void WarnOfNonFiniteLogits(const std::vector<SampleResult>& finished, PolicyVersion version);
+  PolicyVersion nonfinite_warned_version_ = 0;  // version + 1 last warned of (engine thread)
   bool Threaded() const;  // threaded_, read under mu_ (thread_ itself is Start/Stop's only)
   SubmitStatus Validate(const Request& request) const;
 

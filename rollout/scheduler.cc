@@ -1,6 +1,7 @@
 #include "rollout/scheduler.h"
 
 #include <algorithm>
+#include <cmath>
 
 #include <fmt/format.h>
 
@@ -183,6 +184,15 @@ std::vector<SampleResult> Scheduler::Commit(const StepPlan& plan, const std::vec
     const TokenChoice& c = choices[i];
     const SamplingParams& params = seq->request->request.sampling;
     if (seq->num_output_tokens() == 0) seq->first_token = now;
+    if (!std::isfinite(c.logprob)) {
+      // NaN or inf logits (e.g. weights that diverged): nothing valid to sample or to report.
+      for (SampleResult& r : Finish(seq, FinishReason::kError)) {
+        r.error = fmt::format("{} at output token {}: the logits of policy version {} are not finite (NaN or inf)",
+                              kNonFiniteLogits, r.output_ids.size(), version);
+        results.push_back(std::move(r));
+      }
+      continue;
+    }
     const bool stop = IsStop(*seq, c.token);
     if (!stop || params.include_stop_token) seq->AppendToken(c.token, c.logprob, version);
     if (stop) {

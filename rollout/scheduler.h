@@ -63,6 +63,10 @@ struct SamplingTarget {
   Sequence* seq = nullptr;
 };
 
+/// Start of SampleResult::error for a sample ended because its logits were NaN or inf (its
+/// sampled token's logprob was not finite): finish reason kError, the tokens before it kept.
+inline constexpr const char* kNonFiniteLogits = "non-finite logits";
+
 class Scheduler {
  public:
   /// `kv` must outlive the scheduler. Throws policy::ConfigError on a bad config.

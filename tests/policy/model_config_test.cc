@@ -3,6 +3,7 @@
 #include "policy/model_config.h"
 
 #include <climits>
+#include <cmath>
 #include <string>
 #include <vector>
 
@@ -178,6 +179,12 @@ TEST(WeightsTest, ValidateWeightsNamesTheBadWeight) {
   bad = weights;
   bad["lm_head.weight"] = weights.at("model.embed_tokens.weight");  // tied: no lm_head expected
   ExpectBadWeights(c, bad, "unexpected weight lm_head.weight");
+  bad = weights;
+  bad["model.layers.3.mlp.down_proj.weight"].data[777] = std::nanf("");
+  ExpectBadWeights(c, bad, "weight model.layers.3.mlp.down_proj.weight element 777 is nan (weights must be finite)");
+  bad = weights;
+  bad["model.embed_tokens.weight"].data.back() = -INFINITY;
+  ExpectBadWeights(c, bad, "weight model.embed_tokens.weight element 32767 is -inf");
 }
 
 }  // namespace

@@ -566,6 +566,33 @@ TEST(EngineTest, AGenerateThatThrowsAbortsTheRequestsItHadSubmitted) {
   e.Stop();
 }
 
+// Weights that are finite but blow the activations up (a diverged trainer's) give NaN/inf
+// logits: the samples end with finish reason error naming it, not as valid samples whose
+// logprobs are NaN.
+TEST(EngineTest, NonFiniteLogitsEndTheSampleWithAnErrorInsteadOfReturningNanLogprobs) {
+  Checkpoint diverged = Default();
+  for (float& w : diverged.weights.at("model.layers.1.mlp.down_proj.weight").data) w *= 1e30f;
+  Engine e(diverged, SmallConfig());
+  for (double temperature : {0.0, 1.0}) {
+    const std::vector<SampleResult> results = e.Generate({MakeRequest("r" + std::to_string(temperature),
+                                                                      {1, 2, 3}, 8, temperature, 3, 5)});
+    ASSERT_EQ(results.size(), 3u);
+    for (const SampleResult& r : results) {
+      EXPECT_EQ(r.finish_reason, FinishReason::kError);
+      EXPECT_EQ(r.error.rfind("non-finite logits at output token 0: the logits of policy version 0 are not finite", 0),
+                0u) << r.error;
+      EXPECT_TRUE(r.output_ids.empty());
+      for (float lp : r.logprobs) EXPECT_TRUE(std::isfinite(lp));
+    }
+  }
+  // The same request on the intact weights: valid samples.
+  Engine ok(Default(), SmallConfig());
+  for (const SampleResult& r : ok.Generate({MakeRequest("r", {1, 2, 3}, 8, 1.0, 3, 5)})) {
+    EXPECT_EQ(r.finish_reason, FinishReason::kLength);
+    EXPECT_EQ(r.output_ids.size(), 8u);
+  }
+}
+
 TEST(EngineTest, BoundedQueueAnswersOverloaded) {
   EngineConfig c = SmallConfig();
   c.max_pending_requests = 3;
