@@ -128,6 +128,7 @@ void Client::Connect(const std::string& endpoint, const ClientOptions& options) 
       }
     }
   }
+  if (endpoint.rfind("tcp://[", 0) == 0) socket.set(zmq::sockopt::ipv6, 1);  // tcp://[::1]:PORT
   try {
     socket.connect(endpoint);
   } catch (const zmq::error_t& e) {

@@ -1,6 +1,9 @@
 #include "transport/worker_server.h"
 
 #include <sys/eventfd.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -125,6 +128,36 @@ std::string FieldOfEngineError(const std::string& error) {
   const std::string word = error.substr(0, error.find(' '));
   if (word == "n" || word == "prompt" || word == "request_id" || word.rfind("prompt[", 0) == 0) return word;
   return "";
+}
+
+/// libzmq binds ipc://PATH by unlinking whatever is at PATH first, so a second worker given a
+/// live worker's path silently takes it over (the first keeps running, unreachable). Throws
+/// TransportError when a process accepts connections at PATH; a stale socket file (no listener)
+/// is left for libzmq to replace.
+void CheckIpcPathIsFree(const std::string& endpoint) {
+  const std::string path = endpoint.substr(std::string("ipc://").size());
+  struct stat st {};
+  if (path.empty() || path == "*" || path[0] == '@' || ::stat(path.c_str(), &st) != 0 || !S_ISSOCK(st.st_mode)) return;
+  sockaddr_un addr{};
+  if (path.size() >= sizeof(addr.sun_path)) return;  // libzmq refuses such a path itself
+  addr.sun_family = AF_UNIX;
+  std::memcpy(addr.sun_path, path.c_str(), path.size() + 1);
+  const int fd = ::socket(AF_UNIX, SOCK_STREAM, 0);
+  if (fd < 0) return;
+  const bool live = ::connect(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof(addr)) == 0;
+  ::close(fd);
+  if (live) {
+    throw TransportError(fmt::format("cannot bind {}: another process is listening on {} (another worker?); "
+                                     "choose another path, or stop that process", endpoint, path));
+  }
+}
+
+/// The endpoint libzmq is given: tcp://localhost:PORT as tcp://127.0.0.1:PORT (libzmq takes a
+/// bind host for an interface name, and there is no interface "localhost").
+std::string BindEndpoint(const std::string& endpoint) {
+  const std::string localhost = "tcp://localhost:";
+  if (endpoint.rfind(localhost, 0) == 0) return "tcp://127.0.0.1:" + endpoint.substr(localhost.size());
+  return endpoint;
 }
 
 }  // namespace
@@ -262,8 +295,11 @@ struct WorkerServer::Impl {
         throw TransportError(fmt::format("cannot set the CURVE secret key: {}", zmq_strerror(zmq_errno())));
       }
     }
+    const std::string endpoint = BindEndpoint(config.endpoint);
+    if (endpoint.rfind("tcp://[", 0) == 0) router.set(zmq::sockopt::ipv6, 1);  // tcp://[::1]:PORT
+    if (endpoint.rfind("ipc://", 0) == 0) CheckIpcPathIsFree(endpoint);
     try {
-      router.bind(config.endpoint);
+      router.bind(endpoint);
     } catch (const zmq::error_t& e) {
       throw TransportError(fmt::format("cannot bind {}: {}", config.endpoint, e.what()));
     }

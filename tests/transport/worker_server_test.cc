@@ -8,6 +8,7 @@
 #include <netinet/in.h>
 #include <poll.h>
 #include <sys/socket.h>
+#include <sys/un.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -166,6 +167,59 @@ TEST(WorkerServerTest, SeveralClientsOnTwoWorkersGetWhatTheEngineComputesInProce
     ASSERT_EQ(failures[k], "");
     ExpectSameSamples(got[k], InProcess(per_client[k]), 0);
   }
+}
+
+// libzmq binds ipc://PATH by unlinking what is there: a second worker on a live worker's path
+// took it over silently. It is refused now; a stale socket file (nobody listening) is replaced.
+TEST(WorkerServerTest, AnIpcPathInUseIsRefusedAndAStaleOneIsReplaced) {
+  WorkerConfig ipc;
+  ipc.endpoint = IpcEndpoint();
+  WorkerHarness first(ipc);
+  {
+    rollout::Engine engine(DefaultCheckpoint(), SmallEngineConfig());
+    try {
+      WorkerServer second(engine, ipc);
+      ADD_FAILURE() << "a second worker bound " << ipc.endpoint;
+    } catch (const TransportError& e) {
+      EXPECT_NE(std::string(e.what()).find("another process is listening"), std::string::npos) << e.what();
+    }
+  }
+  EXPECT_EQ(Connect(first.endpoint())->Generate({MakeRequest("a", {1, 2, 3}, 4)}).size(), 1u);
+
+  WorkerConfig stale;
+  stale.endpoint = IpcEndpoint();
+  const std::string path = stale.endpoint.substr(6);
+  const int fd = ::socket(AF_UNIX, SOCK_STREAM, 0);
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::memcpy(addr.sun_path, path.c_str(), path.size() + 1);
+  ASSERT_EQ(::bind(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof(addr)), 0) << std::strerror(errno);
+  ::close(fd);  // the file stays, with no listener behind it
+  WorkerHarness replaced(stale);
+  EXPECT_EQ(Connect(replaced.endpoint())->Generate({MakeRequest("b", {1, 2, 3}, 4)}).size(), 1u);
+}
+
+// tcp://localhost:PORT binds the IPv4 loopback (libzmq alone takes "localhost" for an interface
+// name: "No such device"); tcp://[::1]:PORT binds the IPv6 one where the machine has it.
+TEST(WorkerServerTest, LocalhostAndIpv6LoopbackEndpointsBind) {
+  WorkerConfig localhost;
+  localhost.endpoint = "tcp://localhost:*";
+  WorkerHarness worker(localhost);
+  EXPECT_EQ(worker.endpoint().rfind("tcp://127.0.0.1:", 0), 0u) << worker.endpoint();
+  EXPECT_EQ(Connect(worker.endpoint())->Generate({MakeRequest("a", {1, 2, 3}, 4)}).size(), 1u);
+
+  const int fd = ::socket(AF_INET6, SOCK_STREAM, 0);
+  sockaddr_in6 loopback{};
+  loopback.sin6_family = AF_INET6;
+  loopback.sin6_addr = in6addr_loopback;
+  const bool has_ipv6 = fd >= 0 && ::bind(fd, reinterpret_cast<const sockaddr*>(&loopback), sizeof(loopback)) == 0;
+  if (fd >= 0) ::close(fd);
+  if (!has_ipv6) GTEST_SKIP() << "no IPv6 loopback on this machine";
+  WorkerConfig v6;
+  v6.endpoint = "tcp://[::1]:*";
+  WorkerHarness worker6(v6);
+  EXPECT_EQ(worker6.endpoint().rfind("tcp://[::1]:", 0), 0u) << worker6.endpoint();
+  EXPECT_EQ(Connect(worker6.endpoint())->Generate({MakeRequest("b", {1, 2, 3}, 4)}).size(), 1u);
 }
 
 TEST(WorkerServerTest, StreamsEachSampleAsItFinishes) {

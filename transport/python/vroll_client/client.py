@@ -103,6 +103,8 @@ class _Worker:
             sock.setsockopt(zmq.CURVE_SERVERKEY, self._server_key)
             sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
             sock.setsockopt(zmq.CURVE_SECRETKEY, secret)
+        if self.endpoint.startswith("tcp://["):
+            sock.setsockopt(zmq.IPV6, 1)  # tcp://[::1]:PORT
         try:
             sock.connect(self.endpoint)
         except zmq.ZMQError as exc:
