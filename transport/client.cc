@@ -322,8 +322,12 @@ void Client::Abort(const std::string& request_id) {
 
 namespace {
 
+/// The worker's notice that it aborted the update because it is shutting down (docs/PROTOCOL.md,
+/// shutdown): no reply to the update's messages will come.
+bool EndsUpdate(const ErrorMsg& error) { return error.code == ErrorCode::kShuttingDown && error.field == "update_id"; }
+
 /// Waits for the reply to `id` within an update whose message ids all start with `prefix`; an
-/// error reply to any of them (a poisoned chunk) throws WorkerError.
+/// error reply to any of them (a poisoned chunk), or the shutdown notice, throws WorkerError.
 UpdateAckMsg WaitForUpdateAck(Client& client, const std::string& prefix, const std::string& id, int64_t timeout_ms) {
   while (true) {
     std::optional<WorkerMessage> reply = client.Receive(timeout_ms);
@@ -331,7 +335,7 @@ UpdateAckMsg WaitForUpdateAck(Client& client, const std::string& prefix, const s
       throw TransportError(fmt::format("no reply to '{}' from {} within {} ms", id, client.endpoint(), timeout_ms));
     }
     const std::string& reply_id = MessageId(*reply);
-    if (auto* error = std::get_if<ErrorMsg>(&*reply); error && reply_id.rfind(prefix, 0) == 0) {
+    if (auto* error = std::get_if<ErrorMsg>(&*reply); error && (reply_id.rfind(prefix, 0) == 0 || EndsUpdate(*error))) {
       throw WorkerError(std::move(*error));
     }
     if (reply_id != id) continue;
@@ -424,7 +428,8 @@ UpdateAckMsg Client::PushWeights(const std::vector<TensorBytes>& tensors, Policy
         impl_->SendFrame(impl_->borrowed.Borrow(bytes + offset, len), /*more=*/false, endpoint_);
         // A poisoned chunk answers at once: stop sending the rest.
         while (std::optional<WorkerMessage> reply = Receive(0)) {
-          if (auto* error = std::get_if<ErrorMsg>(&*reply); error && MessageId(*reply).rfind(prefix, 0) == 0) {
+          if (auto* error = std::get_if<ErrorMsg>(&*reply);
+              error && (MessageId(*reply).rfind(prefix, 0) == 0 || EndsUpdate(*error))) {
             throw WorkerError(std::move(*error));
           }
         }
@@ -439,9 +444,14 @@ UpdateAckMsg Client::PushWeights(const std::vector<TensorBytes>& tensors, Policy
     ReleaseBorrowedFrames();
     if (timings != nullptr) *timings = times;
     return ack;
-  } catch (const WorkerError&) {
+  } catch (const WorkerError& e) {
     // Free the worker now rather than after its update timeout; the abort may itself be refused
-    // (the update is already gone): either way the original error is what the caller needs.
+    // (the update is already gone): either way the original error is what the caller needs. A
+    // worker shutting down has aborted it already and may not answer.
+    if (e.code() == ErrorCode::kShuttingDown) {
+      ReleaseBorrowedFrames();
+      throw;
+    }
     try {
       const std::string abort_id = prefix + "abort";
       Send(UpdateAbortMsg{abort_id, update_id});

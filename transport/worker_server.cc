@@ -255,6 +255,7 @@ struct WorkerServer::Impl {
     std::string ack_peer;   // kApplying: who gets the applied ack, and its message id
     std::string ack_id;
     std::string owner;      // the peer that began it (probed when another peer wants to begin)
+    std::string begin_id;   // the id of its update_begin (the shutdown notice carries it)
   };
 
   /// One received multipart message, routing id first.
@@ -819,6 +820,7 @@ struct WorkerServer::Impl {
     OpenUpdate u;
     u.update_id = m.update_id;
     u.owner = peer;
+    u.begin_id = m.id;
     u.mode = m.mode;
     u.version = m.manifest.version;
     u.last_message = Clock::now();
@@ -1062,6 +1064,11 @@ struct WorkerServer::Impl {
     if (update && update->phase != OpenUpdate::Phase::kApplying) {
       staging->Abort();
       log.info("update '{}' aborted by the shutdown", update->update_id);
+      // The trainer may be mid-push or waiting for a commit or apply reply that will never come:
+      // tell it now rather than let it wait out its timeout.
+      SendError(update->owner, update->begin_id, ErrorCode::kShuttingDown, "update_id",
+                fmt::format("update '{}' (version {}) aborted: the worker is shutting down ({})", update->update_id,
+                            update->version, reason));
       update.reset();
     }
   }

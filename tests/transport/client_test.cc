@@ -9,6 +9,8 @@
 #include <gtest/gtest.h>
 #include <sys/mman.h>
 
+#include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstring>
@@ -113,6 +115,105 @@ class StalledWorker {
   bool resumed_ = false;  // guarded by mu_
   bool stop_ = false;     // guarded by mu_
 };
+
+/// A ROUTER that answers update_begin with "begun" and then, on the first message whose type is
+/// `notice_after` (update_chunk or update_commit), sends the shutdown notice of docs/PROTOCOL.md
+/// (error shutting_down, field update_id, the begin's id) and answers nothing more; it records the
+/// types of the messages it receives.
+class ShuttingDownWorker {
+ public:
+  explicit ShuttingDownWorker(std::string notice_after)
+      : notice_after_(std::move(notice_after)), router_(context_, zmq::socket_type::router) {
+    router_.set(zmq::sockopt::linger, 0);
+    router_.bind("tcp://127.0.0.1:*");
+    endpoint_ = router_.get(zmq::sockopt::last_endpoint);
+    thread_ = std::thread([this] { Loop(); });
+  }
+  ~ShuttingDownWorker() {
+    stop_ = true;
+    thread_.join();
+  }
+  const std::string& endpoint() const { return endpoint_; }
+  std::vector<std::string> received() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return received_;
+  }
+
+ private:
+  void Loop() {
+    std::string begin_id;
+    bool noticed = false;
+    while (!stop_) {
+      zmq_pollitem_t item = {router_.handle(), 0, ZMQ_POLLIN, 0};
+      if (zmq_poll(&item, 1, 20) <= 0) continue;
+      std::vector<zmq::message_t> frames;
+      do {
+        frames.emplace_back();
+        (void)router_.recv(frames.back());
+      } while (frames.back().more());
+      Decoded<ClientMessage> decoded = DecodeClientMessage(frames[1].data(), frames[1].size());
+      if (!decoded.ok()) continue;
+      const std::string type = TypeName(*decoded.message);
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        received_.push_back(type);
+      }
+      WorkerMessage reply;
+      if (const auto* begin = std::get_if<UpdateBeginMsg>(&*decoded.message)) {
+        begin_id = begin->id;
+        UpdateAckMsg ack;
+        ack.id = begin->id;
+        ack.update_id = begin->update_id;
+        ack.stage = UpdateStage::kBegun;
+        reply = ack;
+      } else if (type == notice_after_ && !noticed) {
+        noticed = true;
+        reply = ErrorMsg{begin_id, ErrorCode::kShuttingDown, "update_id", "update aborted: the worker is shutting down"};
+      } else {
+        continue;
+      }
+      router_.send(zmq::buffer(frames[0].data(), frames[0].size()), zmq::send_flags::sndmore);
+      router_.send(zmq::buffer(EncodeWorkerMessage(reply)));
+    }
+  }
+
+  const std::string notice_after_;
+  zmq::context_t context_{1};
+  zmq::socket_t router_;
+  std::string endpoint_;
+  std::thread thread_;
+  std::atomic<bool> stop_{false};
+  std::mutex mu_;
+  std::vector<std::string> received_;
+};
+
+// A worker that shuts down mid-push aborts the update and says so; PushWeights ends at once with
+// that error (not after timeout_ms, 30 s here) and sends no update_abort for an update that is gone.
+TEST(ClientTest, APushEndsAtOnceWhenTheWorkerShutsDown) {
+  std::vector<float> values(1 << 16, 0.5f);
+  const std::vector<TensorBytes> tensors = {
+      {"model.norm.weight", policy::DType::kF32, {1 << 16}, values.data(), values.size() * sizeof(float)}};
+  for (const std::string notice_after : {"update_chunk", "update_commit"}) {
+    SCOPED_TRACE(notice_after);
+    ShuttingDownWorker worker(notice_after);
+    Client client;
+    ClientOptions options;
+    options.timeout_ms = 30000;
+    client.Connect(worker.endpoint(), options);
+    PushOptions push;
+    push.chunk_bytes = 4096;  // 64 chunks
+    const auto t0 = Clock::now();
+    try {
+      client.PushWeights(tensors, 1, push);
+      ADD_FAILURE() << "the push succeeded";
+    } catch (const WorkerError& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kShuttingDown);
+    }
+    EXPECT_LT(Clock::now() - t0, std::chrono::seconds(10));
+    const std::vector<std::string> received = worker.received();
+    EXPECT_EQ(std::count(received.begin(), received.end(), "update_abort"), 0);
+  }
+}
 
 /// An anonymous mapping of `num_bytes`, filled with a pattern; unmapped by Unmap or the destructor.
 class Mapping {

@@ -1286,6 +1286,30 @@ TEST(WorkerServerTest, ShutdownAbortsUnfinishedSamplesDeliversThemAndStopsRun) {
   worker.Join();  // Run returned on its own
 }
 
+// A shutdown aborts an open update: its trainer is told at once (error shutting_down, field
+// update_id, the id of its update_begin) instead of waiting out its timeout for a reply to a
+// chunk, commit or apply that will never come (found by a new-user pass: 25 s with a 15 s
+// timeout). Both clients end the push on it.
+TEST(WorkerServerTest, AShutdownTellsTheTrainerOfAnOpenUpdateThatItWasAborted) {
+  const policy::WeightMap& weights = NewPolicy().weights;
+  {
+    WorkerHarness worker;
+    auto trainer = Connect(worker.endpoint());
+    trainer->Send(FullBegin("the-begin", "cut", weights, 1));
+    EXPECT_EQ(NextAs<UpdateAckMsg>(*trainer).stage, UpdateStage::kBegun);
+    const auto& [name, t] = *weights.begin();
+    trainer->Send(UpdateChunkMsg{"chunk", "cut", name, 0}, {BytesOf(t)});
+    Connect(worker.endpoint())->Shutdown();
+    const ErrorMsg notice = NextAs<ErrorMsg>(*trainer);
+    EXPECT_EQ(notice.code, ErrorCode::kShuttingDown);
+    EXPECT_EQ(notice.field, "update_id");
+    EXPECT_EQ(notice.id, "the-begin");
+    EXPECT_NE(notice.message.find("update 'cut' (version 1) aborted"), std::string::npos) << notice.message;
+    worker.Join();
+  }
+  // Client::PushWeights ends on it: ClientTest.APushEndsAtOnceWhenTheWorkerShutsDown.
+}
+
 // ---- Security ----------------------------------------------------------------------------------------
 
 TEST(WorkerServerTest, CurveLetsOnlyAllowedKeysInAndOnlyTrainersUpdate) {

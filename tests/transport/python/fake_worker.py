@@ -87,6 +87,11 @@ class FakeWorker:
         self.num_probes_sent = 0
         self.fail_verify = False
         self.busy_begins = 0  # answer this many update_begin messages with error busy
+        # "update_chunk", "update_commit" or "update_apply": at the first such message of an open
+        # update, act as a worker that shuts down: send the notice (error shutting_down, field
+        # update_id, the begin's id), drop the update, and answer no update message after it.
+        self.shutdown_notice_after = ""
+        self.shut_down = False
         self.bad_checksum = False
         self.version = 0
         self.weights = {k: np.zeros(v, dtype=np.float32) for k, v in self.params.items()}
@@ -233,6 +238,14 @@ class FakeWorker:
 
     def _weights(self, h: Dict[str, Any], payload: List[bytes]) -> List[Dict[str, Any]]:
         type_, u = h["type"], self._update
+        if self.shut_down:
+            return []
+        if u is not None and type_ == self.shutdown_notice_after:
+            self.shut_down = True
+            self._update = None
+            return [{"v": 1, "type": "error", "id": u["begin_id"], "code": "shutting_down",
+                     "field": "update_id",
+                     "message": f"update {u['id']!r} aborted: the worker is shutting down"}]
         if type_ == "update_begin":
             if self.busy_begins > 0:
                 self.busy_begins -= 1
@@ -245,7 +258,7 @@ class FakeWorker:
                     return [self._error(h, "update_failed",
                                         f"{t['name']}: shape {t['shape']} != "
                                         f"{self.params.get(t['name'])}", f"tensors[{i}].shape")]
-            self._update = {"id": h["update_id"], "version": h["version"],
+            self._update = {"id": h["update_id"], "begin_id": h["id"], "version": h["version"],
                             "tensors": {t["name"]: t for t in h["tensors"]},
                             "bytes": {t["name"]: bytearray(t["num_bytes"]) for t in h["tensors"]},
                             "written": {t["name"]: 0 for t in h["tensors"]}, "verified": False}

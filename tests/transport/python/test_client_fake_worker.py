@@ -409,6 +409,33 @@ class PushWeightsTest(FakeWorkerTestCase):
             self.assertIn("update_abort", w.types())
             self.assertNotIn("update_apply", w.types())
 
+    def test_a_worker_shutting_down_mid_push_ends_it_at_once_and_the_other_is_aborted(self):
+        # The worker's notice (docs/PROTOCOL.md, shutdown) ends the push in any phase without
+        # waiting for timeout_s, and no update_abort goes to the worker whose update is gone.
+        for phase in ("update_chunk", "update_commit", "update_apply"):
+            with self.subTest(phase=phase):
+                dying, other = self.workers
+                dying.shutdown_notice_after = phase
+                dying.shut_down = False
+                client = VrollClient([w.endpoint for w in self.workers], timeout_s=30)
+                try:
+                    started = time.monotonic()
+                    with self.assertRaises(WeightUpdateError) as cm:
+                        client.push_weights(make_weights(1), version=other.version + 1,
+                                            chunk_bytes=64)
+                    self.assertLess(time.monotonic() - started, 10)
+                    failure = cm.exception.failures[dying.endpoint]
+                    self.assertIsInstance(failure, WorkerError)
+                    self.assertEqual(failure.code, "shutting_down")
+                    if phase != "update_apply":  # before apply: aborted on the other worker
+                        wait_until(lambda: "update_abort" in other.types(), "the other's abort")
+                    self.assertNotIn("update_abort", dying.types())
+                finally:
+                    client.close(linger_ms=0)
+                    dying.shutdown_notice_after = ""
+                    dying.received.clear()
+                    other.received.clear()
+
     def test_wrong_shape_fails_at_begin_before_any_chunk(self):
         weights = make_weights(3)
         weights["model.norm.weight"] = torch.ones(9)

@@ -124,6 +124,14 @@ class _Worker:
         self.socket.close(linger=self._linger_ms if linger_ms is None else linger_ms)
 
 
+def _is_update_shutdown(header: Mapping[str, Any]) -> bool:
+    """The worker's notice that it aborted the open update because it is shutting down
+    (docs/PROTOCOL.md, shutdown): no reply to the update's messages will come, and no abort is
+    needed."""
+    return (header.get("type") == "error" and header.get("code") == "shutting_down"
+            and header.get("field") == "update_id")
+
+
 def _is_int(value: Any) -> bool:
     """An int or numpy integer, not a bool."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
@@ -339,12 +347,13 @@ class VrollClient:
     def _call(self, workers: Sequence[_Worker], make: Callable[[str], Dict[str, Any]],
               reply_type: str, request: str, timeout_s: Optional[float] = None,
               on_other: Optional[Callable[[_Worker, Dict[str, Any]], bool]] = None,
-              ) -> Dict[str, Union[Dict[str, Any], Exception]]:
+              update: bool = False) -> Dict[str, Union[Dict[str, Any], Exception]]:
         """Sends make(id) to each worker and waits for each one's reply.
 
         Returns {endpoint: reply header | WorkerError | VrollTimeoutError | VrollError} in worker
         order; raises nothing itself. A worker that times out is reset. ``on_other`` sees every
-        other message first and returns True when it consumed it.
+        other message first and returns True when it consumed it. With ``update``, a worker's
+        notice that a shutdown aborted the open update (_is_update_shutdown) is its reply.
         """
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         results: Dict[str, Union[Dict[str, Any], Exception]] = {}
@@ -367,6 +376,12 @@ class VrollClient:
                 break
             for w, header, _ in self._poll(remaining):
                 id_ = header.get("id")
+                if update and _is_update_shutdown(header):
+                    mine = [pid for pid, pw in pending.items() if pw is w]
+                    if mine:
+                        del pending[mine[0]]
+                        results[w.endpoint] = WorkerError.from_reply(w.endpoint, header, request)
+                        continue
                 if pending.get(id_) is not w:
                     if on_other is None or not on_other(w, header):
                         self._drop(w, header)
@@ -827,7 +842,10 @@ class VrollClient:
                                                  t.checksum) for t in tensors]
 
         def fail(phase: str, failures: Mapping[str, Exception]) -> WeightUpdateError:
-            self._abort_update(workers, update_id)
+            # A worker that is shutting down has aborted the update already (and may be gone).
+            self._abort_update([w for w in workers if not (
+                isinstance(failures.get(w.endpoint), WorkerError)
+                and failures[w.endpoint].code == "shutting_down")], update_id)
             return WeightUpdateError(version, update_id, phase, failures)
 
         # Phase 0: every worker opens the update (checks the version, names, shapes, dtypes);
@@ -839,7 +857,7 @@ class VrollClient:
             results = self._call(
                 begin_on, lambda id_: protocol.make_update_begin(update_id, version, manifest,
                                                                 mode, partial, id_),
-                "update_ack", "update_begin")
+                "update_ack", "update_begin", update=True)
             failures = self._stage_failures(results, "begun")
             busy = [ep for ep, e in failures.items()
                     if isinstance(e, WorkerError) and e.code == "busy"]
@@ -865,7 +883,7 @@ class VrollClient:
 
         results = self._call(
             workers, lambda id_: protocol.make_update_commit(update_id, False, id_),
-            "update_ack", "update_commit(apply=false)", on_other=on_chunk_error)
+            "update_ack", "update_commit(apply=false)", on_other=on_chunk_error, update=True)
         if chunk_errors:
             raise fail("stage", chunk_errors)
         failures = self._stage_failures(results, "verified")
@@ -875,11 +893,12 @@ class VrollClient:
         # Phase 2: all verified: apply everywhere.
         results = self._call(
             workers, lambda id_: protocol.make_update_apply(update_id, id_), "update_ack",
-            "update_apply", apply_timeout_s)
+            "update_apply", apply_timeout_s, update=True)
         failures = self._stage_failures(results, "applied")
         acks = [UpdateAck.from_reply(ep, r) for ep, r in results.items() if ep not in failures]
         if failures:
-            self._abort_update([self._by_endpoint[ep] for ep in failures], update_id)
+            self._abort_update([self._by_endpoint[ep] for ep, e in failures.items() if not (
+                isinstance(e, WorkerError) and e.code == "shutting_down")], update_id)
             raise WeightUpdateError(version, update_id, "apply", failures, acks)
 
         for ack in acks:
@@ -910,9 +929,11 @@ class VrollClient:
     @staticmethod
     def _take_chunk_error(w: _Worker, header: Mapping[str, Any], update_id: str,
                           errors: Dict[str, Exception]) -> bool:
-        """Records an ``error`` answering one of this update's chunks (first per worker)."""
+        """Records an ``error`` answering one of this update's chunks, or the worker's notice that
+        a shutdown aborted the update (first per worker)."""
         id_ = header.get("id") or ""
-        if header.get("type") != "error" or not id_.startswith(update_id + "."):
+        if header.get("type") != "error" or not (id_.startswith(update_id + ".")
+                                                 or _is_update_shutdown(header)):
             return False
         errors.setdefault(w.endpoint, WorkerError.from_reply(w.endpoint, header, "update_chunk"))
         return True
