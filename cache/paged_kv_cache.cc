@@ -43,7 +43,7 @@ PagedKvCache::PagedKvCache(const policy::ModelConfig& config, int num_blocks, in
   } catch (const c10::Error& e) {  // e.g. the allocator's "can't allocate memory"
     throw std::runtime_error(fmt::format(
         "paged KV cache: cannot allocate {} blocks x {} tokens, {:.1f} MiB of {} keys and values (the engine's "
-        "kv_cache_bytes; vroll-worker/vroll-generate --kv-cache-mb): {}",
+        "kv_cache_bytes; vroll-worker --kv-cache-mb): {}",
         num_blocks, block_size, bytes / 1048576.0, KvCacheDtypeName(dtype), e.what_without_backtrace()));
   }
   Logger("cache").info("paged KV storage: {} blocks x {} tokens, {:.1f} MiB of {} ({} bytes per block)", num_blocks,

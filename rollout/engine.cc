@@ -79,7 +79,13 @@ Engine::Engine(const policy::Checkpoint& checkpoint, const EngineConfig& config)
     throw policy::ConfigError(fmt::format("engine config: kv_cache_bytes = {} holds {} blocks of {} bytes; need >= 2",
                                           config_.kv_cache_bytes, num_blocks64, bytes_per_block));
   }
-  const int num_blocks = static_cast<int>(std::min<int64_t>(num_blocks64, 1 << 30));
+  if (num_blocks64 > (int64_t{1} << 30)) {
+    throw policy::ConfigError(fmt::format(
+        "engine config: kv_cache_bytes = {} ({:.0f} MiB) holds {} blocks of {} bytes; a KV cache has at most 2^30 "
+        "blocks ({:.0f} MiB here)", config_.kv_cache_bytes, config_.kv_cache_bytes / 1048576.0, num_blocks64,
+        bytes_per_block, static_cast<double>(bytes_per_block) * (int64_t{1} << 30) / 1048576.0));
+  }
+  const int num_blocks = static_cast<int>(num_blocks64);
   runner_ = std::make_unique<ModelRunner>(
       checkpoint, ModelRunnerConfig{num_blocks, config_.block_size, config_.check_block_versions,
                                     config_.batch_invariant, config_.swap_weight_buffers,
@@ -128,11 +134,11 @@ Engine::Engine(const policy::Checkpoint& checkpoint, const EngineConfig& config)
   counters_.num_blocks = num_blocks;
   PublishStats();
   Logger("rollout").info(
-      "engine: {} KV blocks x {} tokens ({:.1f} MiB of {}), max_num_seqs {}, max_num_batched_tokens {}, prefix "
-      "caching {}; weight updates {}",
+      "engine: {} KV blocks x {} tokens ({:.1f} MiB of {}), max_num_seqs {}, max_num_batched_tokens {}, "
+      "max_pending_requests {}, prefix caching {}; weight updates {}",
       num_blocks, config_.block_size, num_blocks * bytes_per_block / 1048576.0,
       cache::KvCacheDtypeName(config_.kv_cache_dtype), config_.max_num_seqs,
-      config_.max_num_batched_tokens, config_.enable_prefix_caching ? "on" : "off",
+      config_.max_num_batched_tokens, config_.max_pending_requests, config_.enable_prefix_caching ? "on" : "off",
       !config_.swap_weight_buffers ? "applied in place (copy + repack at the safe point)"
       : config_.prepack_weights    ? "staged in spare buffers, packed while staged, swapped"
                                    : "staged in spare buffers, swapped, repacked at the safe point");

@@ -593,6 +593,20 @@ TEST(EngineTest, NonFiniteLogitsEndTheSampleWithAnErrorInsteadOfReturningNanLogp
   }
 }
 
+// A KV cache larger than 2^30 blocks is refused with what was asked for, not attempted at a
+// silently capped size (whose allocation error then named the capped figure).
+TEST(EngineTest, AKvCacheBeyondTheBlockLimitIsRefusedNamingTheRequestedSize) {
+  EngineConfig c = SmallConfig();
+  c.kv_cache_bytes = int64_t{100000000} << 20;  // 100,000,000 MiB
+  try {
+    Engine e(Default(), c);
+    ADD_FAILURE() << "no ConfigError";
+  } catch (const policy::ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("(100000000 MiB) holds"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("at most 2^30 blocks"), std::string::npos) << e.what();
+  }
+}
+
 TEST(EngineTest, BoundedQueueAnswersOverloaded) {
   EngineConfig c = SmallConfig();
   c.max_pending_requests = 3;
