@@ -21,13 +21,20 @@ fail() {
   exit 1
 }
 
-# A KV cache that cannot be allocated: one line naming its size and --kv-cache-mb, no backtrace.
-if "$WORKER" --endpoint "ipc://$dir/huge.sock" --kv-cache-mb 100000000 >"$dir/huge.out" 2>"$dir/huge.err"; then
-  fail "--kv-cache-mb 100000000 accepted"
+# A KV cache that cannot be allocated (10 TB): one line naming its size and --kv-cache-mb, no
+# backtrace.
+if "$WORKER" --endpoint "ipc://$dir/huge.sock" --kv-cache-mb 10000000 >"$dir/huge.out" 2>"$dir/huge.err"; then
+  fail "--kv-cache-mb 10000000 accepted"
 fi
-grep -q "cannot allocate .* MiB of float32 keys and values .*--kv-cache-mb" "$dir/huge.err" ||
+grep -q "cannot allocate .* MiB of float32 keys and values .*vroll-worker --kv-cache-mb" "$dir/huge.err" ||
   fail "the allocation failure does not name the KV cache and --kv-cache-mb"
 if grep -q "frame #" "$dir/huge.err"; then fail "the allocation failure carries a backtrace"; fi
+# Beyond 2^30 blocks: refused before allocating, naming the size asked for.
+if "$WORKER" --endpoint "ipc://$dir/huger.sock" --kv-cache-mb 100000000 >"$dir/huger.out" 2>"$dir/huger.err"; then
+  fail "--kv-cache-mb 100000000 accepted"
+fi
+grep -q "(100000000 MiB) holds .* at most 2^30 blocks" "$dir/huger.err" ||
+  fail "a KV cache beyond 2^30 blocks is not refused naming the size asked for"
 
 # A KV cache dtype it does not know is refused by name.
 if "$WORKER" --endpoint "ipc://$dir/dtype.sock" --kv-cache-dtype float8 >"$dir/dtype.out" 2>"$dir/dtype.err"; then
