@@ -154,8 +154,8 @@ void PagedKvCache::AttendSixteenBit(const kernels::TokenRow* rows, int64_t count
     for (int32_t b = 0; b < num_row_blocks; ++b) {
       const int32_t id = rows[r].table[b];
       if (s.local_of[id] < 0) {
-        s.local_of[id] = static_cast<int32_t>(s.physical.size());
-        s.physical.push_back(id);
+        s.physical.push_back(id);  // first: ResetLocals clears exactly the ids listed here
+        s.local_of[id] = static_cast<int32_t>(s.physical.size() - 1);
       }
       s.tables.push_back(s.local_of[id]);
     }

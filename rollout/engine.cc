@@ -697,7 +697,19 @@ std::vector<SampleResult> Engine::Generate(const std::vector<Request>& requests)
     collected->cv.wait(lock, [&] { return collected->results.size() >= expected; });
   } else {
     while (received() < expected) {
-      if (!Step()) {
+      bool stepped = false;
+      try {
+        stepped = Step();
+      } catch (const std::exception& e) {
+        // As the engine thread's loop does: the call's requests end, not left running for nobody.
+        for (const std::string& id : submitted) {
+          std::vector<SampleResult> results = scheduler_->AbortRequest(id, FinishReason::kError);
+          for (SampleResult& r : results) r.error = fmt::format("engine step failed: {}", e.what());
+          Emit(std::move(results));
+        }
+        throw;
+      }
+      if (!stepped) {
         const size_t got = received();
         fail(std::runtime_error(fmt::format("engine went idle with {} of {} samples unfinished (min_policy_version "
                                             "not reached?)", expected - got, expected)));

@@ -171,6 +171,37 @@ TEST_F(PolicyVersionTest, AbortModeWithThirtyLongGenerationsGivesEveryRequestOne
   EXPECT_EQ(aborted, ack.num_aborted);
 }
 
+// An abort queued while its request is live but applied only after that request finished and
+// its id was submitted again ends nothing (aborts are tagged with the submission they are for).
+// Deterministic here: an abort-mode update ends "y" at the safe point, whose callback aborts the
+// live but not yet admitted "p0"; "p0" then runs in that same step, finishes, and its callback
+// resubmits the id; the next step drains the new "p0" and then the stale abort.
+TEST_F(PolicyVersionTest, AStaleAbortDoesNotEndALaterRequestReusingTheId) {
+  Engine e(base_, config_);
+  std::vector<SampleResult> results, later;
+  ASSERT_TRUE(e.Submit(MakeRequest("y", Prompt(6, 300), 40), [&](SampleResult r) {
+    results.push_back(std::move(r));
+    e.Abort("p0");
+  }).ok());
+  ASSERT_TRUE(e.Step());  // "y" runs
+  ASSERT_TRUE(e.Submit(MakeRequest("p0", Prompt(6, 301), 1), [&](SampleResult r) {
+    results.push_back(std::move(r));
+    ASSERT_TRUE(e.Submit(MakeRequest("p0", Prompt(6, 302), 3), [&](SampleResult r2) { later.push_back(std::move(r2)); })
+                    .ok());
+  }).ok());
+  ASSERT_TRUE(e.UpdateWeights(Perturbed(base_, 31), 1, InFlightMode::kAbort).ok);
+  while (e.Step()) {
+  }
+  ASSERT_EQ(results.size(), 2u);
+  EXPECT_EQ(results[0].request_id, "y");
+  EXPECT_EQ(results[0].finish_reason, FinishReason::kAborted);
+  EXPECT_EQ(results[1].request_id, "p0");
+  EXPECT_EQ(results[1].finish_reason, FinishReason::kLength);
+  ASSERT_EQ(later.size(), 1u);
+  EXPECT_EQ(later[0].finish_reason, FinishReason::kLength) << "the stale abort ended the resubmitted request";
+  EXPECT_EQ(later[0].output_ids.size(), 3u);
+}
+
 TEST_F(PolicyVersionTest, RestartModeSucceedsWithRequestsQueuedAndRestartsFromThePrompt) {
   EngineConfig c = config_;
   c.max_num_seqs = 2;  // most requests stay queued

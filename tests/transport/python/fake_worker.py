@@ -262,6 +262,8 @@ class FakeWorker:
                             "tensors": {t["name"]: t for t in h["tensors"]},
                             "bytes": {t["name"]: bytearray(t["num_bytes"]) for t in h["tensors"]},
                             "written": {t["name"]: 0 for t in h["tensors"]}, "verified": False}
+            if self.shutdown_notice_after == "update_begin":  # begun, then at once the notice
+                return [self._ack(h, "begun")] + self._weights(h, payload)
             return [self._ack(h, "begun")]
         if u is None or h.get("update_id") != u["id"]:
             return [self._error(h, "unknown_update", f"no open update {h.get('update_id')!r}")]

@@ -298,7 +298,15 @@ class GenerateIterTest(FakeWorkerTestCase):
             with self.assertRaisesRegex(RuntimeError, "generate_iter"):
                 self.client.stats()
             with self.assertRaisesRegex(RuntimeError, "generate_iter"):
+                self.client.pause()
+            with self.assertRaisesRegex(RuntimeError, "generate_iter"):
+                self.client.push_weights(make_weights(1), version=1)
+            with self.assertRaisesRegex(RuntimeError, "generate_iter"):
                 self.client.generate([[4]])
+            # Refused before anything was sent.
+            for w in self.workers:
+                self.assertEqual([t for t in w.types() if t != "generate"], [])
+                self.assertEqual(w.types().count("generate"), 2)
             it.close()
             slow_ids = sorted(h["request_id"] for t, h in slow.received if t == "generate")
             self.assertEqual(len(slow_ids), 2)
@@ -344,6 +352,25 @@ class GenerateIterTest(FakeWorkerTestCase):
         finally:
             client.close(linger_ms=0)
             slow.delay_with_probes_s = 0.0
+
+    def test_a_hung_worker_times_out_while_another_keeps_completing_groups(self):
+        # Only the loop body's time is taken off the silence count: groups completing on one
+        # worker do not keep a hung one alive (it is found within about timeout_s).
+        hung, busy = self.workers
+        hung.hang_after_accept = True
+        busy.delay_with_probes_s = 0.3
+        client = VrollClient([w.endpoint for w in self.workers], timeout_s=1.0, max_in_flight=1)
+        try:
+            started = time.monotonic()
+            with self.assertRaises(VrollTimeoutError) as cm:
+                for _ in client.generate_iter([[i + 1] for i in range(16)], SamplingParams(max_tokens=2)):
+                    pass
+            self.assertEqual(cm.exception.worker, hung.endpoint)
+            self.assertLess(time.monotonic() - started, 2.5)
+        finally:
+            client.close(linger_ms=0)
+            hung.hang_after_accept = False
+            busy.delay_with_probes_s = 0.0
 
     def test_arguments_are_checked_when_called_and_nothing_is_sent(self):
         with self.assertRaises(ValueError):
@@ -412,7 +439,7 @@ class PushWeightsTest(FakeWorkerTestCase):
     def test_a_worker_shutting_down_mid_push_ends_it_at_once_and_the_other_is_aborted(self):
         # The worker's notice (docs/PROTOCOL.md, shutdown) ends the push in any phase without
         # waiting for timeout_s, and no update_abort goes to the worker whose update is gone.
-        for phase in ("update_chunk", "update_commit", "update_apply"):
+        for phase in ("update_begin", "update_chunk", "update_commit", "update_apply"):
             with self.subTest(phase=phase):
                 dying, other = self.workers
                 dying.shutdown_notice_after = phase

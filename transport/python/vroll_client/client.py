@@ -355,6 +355,9 @@ class VrollClient:
         other message first and returns True when it consumed it. With ``update``, a worker's
         notice that a shutdown aborted the open update (_is_update_shutdown) is its reply.
         """
+        if self._iterating:  # before anything is sent
+            raise RuntimeError("the client is in the middle of a generate_iter() iteration: finish "
+                               "it, break out of it or close() the iterator before other calls")
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         results: Dict[str, Union[Dict[str, Any], Exception]] = {}
         pending: Dict[str, _Worker] = {}
@@ -377,9 +380,12 @@ class VrollClient:
             for w, header, _ in self._poll(remaining):
                 id_ = header.get("id")
                 if update and _is_update_shutdown(header):
+                    # The worker aborted the update: that is its answer, also when its reply to
+                    # this call came first (e.g. "begun", then the notice).
                     mine = [pid for pid, pw in pending.items() if pw is w]
                     if mine:
                         del pending[mine[0]]
+                    if mine or w.endpoint in results:
                         results[w.endpoint] = WorkerError.from_reply(w.endpoint, header, request)
                         continue
                 if pending.get(id_) is not w:
@@ -518,9 +524,10 @@ class VrollClient:
         """generate(), yielding each prompt's RequestOutput as soon as all of its n samples have
         finished, in the order the groups complete (``RequestOutput.prompt_index`` says which
         prompt it is). For trainers that score groups while others still generate, or that stop
-        once they have enough (e.g. dynamic sampling): leaving the loop early (``break``, an
-        exception, or ``close()`` on the iterator) aborts this call's unfinished requests on
-        their workers, so that their samples stop being computed; their results are dropped.
+        once they have enough (e.g. dynamic sampling): leaving a ``for`` loop over it early
+        (``break``, an exception) aborts this call's unfinished requests on their workers, so
+        that their samples stop being computed; their results are dropped. An iterator kept in
+        a variable is only left when it is closed: call its ``close()`` (or exhaust it).
 
         The arguments are checked when this is called (same errors as generate, nothing sent);
         requests are sent when the iteration starts. Time spent in the loop body between two
@@ -617,14 +624,17 @@ class VrollClient:
                     if request is not None:
                         done.append(request)
                 self._check_silence(in_flight)
+                suspended = 0.0
                 for request in done:
                     num_done += 1
+                    yielded_at = time.monotonic()
                     yield request
-                if done:
-                    # The caller's time between outputs is not the workers' silence.
-                    now = time.monotonic()
-                    for w in workers:
-                        w.last_heard = max(w.last_heard, now)
+                    suspended += time.monotonic() - yielded_at
+                # The caller's time between outputs is not the workers' silence: it moves each
+                # worker's silence clock on by as much (not to now: a worker silent before it
+                # stays as silent).
+                for w in workers:
+                    w.last_heard += suspended
         except BaseException:
             self._abort_requests(in_flight.values())
             raise
