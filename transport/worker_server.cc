@@ -132,12 +132,16 @@ std::string FieldOfEngineError(const std::string& error) {
 
 /// libzmq binds ipc://PATH by unlinking whatever is at PATH first, so a second worker given a
 /// live worker's path silently takes it over (the first keeps running, unreachable). Throws
-/// TransportError when a process accepts connections at PATH; a stale socket file (no listener)
-/// is left for libzmq to replace.
+/// TransportError when a process accepts connections at PATH, or when PATH is not a socket (a
+/// regular file, a directory: libzmq would delete it); a stale socket file (no listener) is left
+/// for libzmq to replace.
 void CheckIpcPathIsFree(const std::string& endpoint) {
   const std::string path = endpoint.substr(std::string("ipc://").size());
   struct stat st {};
-  if (path.empty() || path == "*" || path[0] == '@' || ::stat(path.c_str(), &st) != 0 || !S_ISSOCK(st.st_mode)) return;
+  if (path.empty() || path == "*" || path[0] == '@' || ::stat(path.c_str(), &st) != 0) return;
+  if (!S_ISSOCK(st.st_mode)) {  // libzmq would delete it
+    throw TransportError(fmt::format("cannot bind {}: {} exists and is not a socket (not replaced)", endpoint, path));
+  }
   sockaddr_un addr{};
   if (path.size() >= sizeof(addr.sun_path)) return;  // libzmq refuses such a path itself
   addr.sun_family = AF_UNIX;

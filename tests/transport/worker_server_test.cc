@@ -197,6 +197,26 @@ TEST(WorkerServerTest, AnIpcPathInUseIsRefusedAndAStaleOneIsReplaced) {
   ::close(fd);  // the file stays, with no listener behind it
   WorkerHarness replaced(stale);
   EXPECT_EQ(Connect(replaced.endpoint())->Generate({MakeRequest("b", {1, 2, 3}, 4)}).size(), 1u);
+
+  // A path that is not a socket (someone's file) is refused and left alone.
+  WorkerConfig file;
+  file.endpoint = IpcEndpoint();
+  const std::string file_path = file.endpoint.substr(6);
+  std::ofstream(file_path) << "keep me";
+  {
+    rollout::Engine engine(DefaultCheckpoint(), SmallEngineConfig());
+    try {
+      WorkerServer server(engine, file);
+      ADD_FAILURE() << "bound over a regular file";
+    } catch (const TransportError& e) {
+      EXPECT_NE(std::string(e.what()).find("is not a socket"), std::string::npos) << e.what();
+    }
+  }
+  std::ifstream kept(file_path);
+  std::string content;
+  std::getline(kept, content);
+  EXPECT_EQ(content, "keep me");
+  std::remove(file_path.c_str());
 }
 
 // tcp://localhost:PORT binds the IPv4 loopback (libzmq alone takes "localhost" for an interface

@@ -238,9 +238,12 @@ class FakeWorker:
 
     def _weights(self, h: Dict[str, Any], payload: List[bytes]) -> List[Dict[str, Any]]:
         type_, u = h["type"], self._update
-        if self.shut_down:
+        if self.shut_down:  # as a worker between its shutdown and its exit: chunks are refused
+            if type_ == "update_chunk":
+                return [self._error(h, "unknown_update", f"no open update {h.get('update_id')!r}",
+                                    "update_id")]
             return []
-        if u is not None and type_ == self.shutdown_notice_after:
+        if u is not None and type_ == self.shutdown_notice_after and h.get("update_id") == u["id"]:
             self.shut_down = True
             self._update = None
             return [{"v": 1, "type": "error", "id": u["begin_id"], "code": "shutting_down",

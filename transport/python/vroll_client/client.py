@@ -895,6 +895,11 @@ class VrollClient:
             workers, lambda id_: protocol.make_update_commit(update_id, False, id_),
             "update_ack", "update_commit(apply=false)", on_other=on_chunk_error, update=True)
         if chunk_errors:
+            # A worker's shutdown notice (its commit result here) says more than the errors of
+            # the chunks it refused after it: its update is gone, no abort is needed.
+            for endpoint, result in results.items():
+                if isinstance(result, WorkerError) and result.code == "shutting_down":
+                    chunk_errors[endpoint] = result
             raise fail("stage", chunk_errors)
         failures = self._stage_failures(results, "verified")
         if failures:
@@ -945,7 +950,11 @@ class VrollClient:
         if header.get("type") != "error" or not (id_.startswith(update_id + ".")
                                                  or _is_update_shutdown(header)):
             return False
-        errors.setdefault(w.endpoint, WorkerError.from_reply(w.endpoint, header, "update_chunk"))
+        error = WorkerError.from_reply(w.endpoint, header, "update_chunk")
+        if _is_update_shutdown(header):
+            errors[w.endpoint] = error  # it says more than a chunk error: no abort is needed
+        else:
+            errors.setdefault(w.endpoint, error)
         return True
 
     def _send_chunks(self, workers: Sequence[_Worker], update_id: str,
@@ -955,24 +964,46 @@ class VrollClient:
         errors: Dict[str, Exception] = {}
         sequence = itertools.count()
         since_check = 0
+
+        def take_errors(timeout_s: float) -> None:
+            for w, header, _ in self._poll(timeout_s):
+                if not self._take_chunk_error(w, header, update_id, errors):
+                    self._drop(w, header)
+
         for tensor in tensors:
             for offset, length in chunk_ranges(tensor.num_bytes, chunk_bytes):
                 payload = tensor.data[offset:offset + length]
                 for w in workers:
                     header = protocol.make_update_chunk(update_id, tensor.name, offset,
                                                         f"{update_id}.{next(sequence)}")
-                    try:
-                        self._send(w, header, [payload], request=f"update_chunk {tensor.name}")
-                    except VrollTimeoutError as exc:
-                        self._reset(w)
-                        errors[w.endpoint] = exc
-                        return errors
+                    frames = [protocol.encode(header), payload]
+                    # Not blocking: while the worker does not take more (its queue is full, or
+                    # it is gone), its replies are read, so that an error it sent (a poisoned
+                    # chunk, the shutdown notice) ends the push now, not after timeout_s.
+                    deadline = time.monotonic() + self.timeout_s
+                    while True:
+                        try:
+                            w.socket.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+                            break
+                        except zmq.Again:
+                            pass
+                        # Wake when the worker takes more or says something.
+                        waiting = zmq.Poller()
+                        waiting.register(w.socket, zmq.POLLIN | zmq.POLLOUT)
+                        left_ms = max(0, int((deadline - time.monotonic()) * 1000))
+                        if dict(waiting.poll(min(left_ms, 1000))).get(w.socket, 0) & zmq.POLLIN:
+                            take_errors(0)
+                        if errors:
+                            return errors
+                        if time.monotonic() >= deadline:
+                            self._reset(w)
+                            errors[w.endpoint] = VrollTimeoutError(
+                                w.endpoint, f"sending update_chunk {tensor.name}", self.timeout_s)
+                            return errors
                 since_check += 1
                 if since_check >= _CHUNKS_PER_ERROR_CHECK:
                     since_check = 0
-                    for w, header, _ in self._poll(0):
-                        if not self._take_chunk_error(w, header, update_id, errors):
-                            self._drop(w, header)
+                    take_errors(0)
                     if errors:
                         return errors
         return errors
