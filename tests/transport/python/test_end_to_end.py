@@ -273,14 +273,14 @@ class TwoWorkersTest(unittest.TestCase):
             original = client._send
             state = {"done": False}
 
-            def corrupting_send(worker, header, frames=(), request=""):
+            def corrupting_send(worker, header, frames=(), request="", **kwargs):
                 if (header["type"] == "update_chunk" and worker.endpoint == self.endpoints[1]
                         and not state["done"]):
                     state["done"] = True
                     data = bytearray(frames[0])
                     data[0] ^= 0xFF
                     frames = [bytes(data)]
-                return original(worker, header, frames, request)
+                return original(worker, header, frames, request, **kwargs)
 
             client._send = corrupting_send
             with self.assertRaises(WeightUpdateError) as cm:
@@ -300,7 +300,7 @@ class TwoWorkersTest(unittest.TestCase):
             original = client._send
             state = {"first": None}
 
-            def duplicating_send(worker, header, frames=(), request=""):
+            def duplicating_send(worker, header, frames=(), request="", **kwargs):
                 if header["type"] == "update_chunk" and worker.endpoint == self.endpoints[0]:
                     if state["first"] is None:
                         state["first"] = (dict(header), list(frames))
@@ -308,7 +308,7 @@ class TwoWorkersTest(unittest.TestCase):
                         first_header, first_frames = state["first"]
                         state["first"] = "sent"
                         original(worker, dict(first_header, id=header["id"] + "x"), first_frames)
-                return original(worker, header, frames, request)
+                return original(worker, header, frames, request, **kwargs)
 
             client._send = duplicating_send
             with self.assertRaises(WeightUpdateError) as cm:

@@ -300,12 +300,17 @@ class VrollClient:
         return [self._by_endpoint[ep] for ep in endpoints]
 
     def _send(self, worker: _Worker, header: Mapping[str, Any], frames: Sequence[Any] = (),
-              request: str = "") -> None:
+              request: str = "", block: bool = True) -> None:
+        """Sends [header, *frames]. Blocking: up to timeout_s, then VrollTimeoutError; not
+        blocking: zmq.Again when the worker's queue is full."""
         if self._closed:
             raise VrollError("the client is closed")
         try:
-            worker.socket.send_multipart([protocol.encode(header), *frames], copy=False)
+            worker.socket.send_multipart([protocol.encode(header), *frames], copy=False,
+                                         flags=0 if block else zmq.NOBLOCK)
         except zmq.Again:
+            if not block:
+                raise
             raise VrollTimeoutError(worker.endpoint, f"sending {request or header['type']}",
                                     self.timeout_s) from None
 
@@ -976,14 +981,14 @@ class VrollClient:
                 for w in workers:
                     header = protocol.make_update_chunk(update_id, tensor.name, offset,
                                                         f"{update_id}.{next(sequence)}")
-                    frames = [protocol.encode(header), payload]
                     # Not blocking: while the worker does not take more (its queue is full, or
                     # it is gone), its replies are read, so that an error it sent (a poisoned
                     # chunk, the shutdown notice) ends the push now, not after timeout_s.
                     deadline = time.monotonic() + self.timeout_s
                     while True:
                         try:
-                            w.socket.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+                            self._send(w, header, [payload], request=f"update_chunk {tensor.name}",
+                                       block=False)
                             break
                         except zmq.Again:
                             pass
