@@ -434,10 +434,11 @@ class WeightUpdateStaging {
   /// the fp32 values), then tells the observer. Idempotent within a transaction.
   void Finalize(size_t index);
 
-  /// Feeds the slot's source bytes [num_hashed_bytes, end) into its hash and checks the fp32
-  /// elements that became whole. `bytes` holds those bytes (the chunk as received); null: read
-  /// them from the staged copy (all written).
-  static void HashPrefix(Slot& slot, uint64_t end, const uint8_t* bytes = nullptr);
+  /// Feeds the slot's source bytes [num_hashed_bytes, end) into its hash and, unless
+  /// !check_finite (the caller checks them as it copies), checks the fp32 elements that became
+  /// whole. `bytes` holds those bytes (the chunk as received); null: read them from the staged
+  /// copy (all written).
+  static void HashPrefix(Slot& slot, uint64_t end, const uint8_t* bytes = nullptr, bool check_finite = true);
 
   /// End of the block that starts at element `elem` of the slot's final prefix: the next grid
   /// point after it (or elem + kHashBlockBytes / 4 without a grid), at most numel.

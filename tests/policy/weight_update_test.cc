@@ -777,9 +777,16 @@ TEST_P(WeightUpdateHashOnArrivalTest, ACorruptedChunkIsCaughtAndAGoodUpdateVerif
 }
 
 TEST_P(WeightUpdateHashOnArrivalTest, FirstNonFiniteElementIsFoundAcrossChunkAndBlockBoundaries) {
-  // Element 32768 starts the second 128 KiB hash block; a 100003-byte chunk ends inside element
-  // 25000 (bytes [100000, 100004)).
-  for (const uint64_t element : {uint64_t{0}, uint64_t{25000}, uint64_t{32767}, uint64_t{32768}, uint64_t{301 * 1001 - 1}}) {
+  // 100003-byte chunks: element 32768 starts the second 128 KiB hash block; a chunk ends inside
+  // element 25000 (bytes [100000, 100004)). 65548-byte chunks (whole values, 12 bytes past a
+  // 64-byte line): the values are checked as they are copied, element 1000 in the copy's 64-byte
+  // lines, 16385 in the 12-byte tail of the first chunk, 16390 in the 52-byte head of the second.
+  const std::vector<std::pair<size_t, std::vector<uint64_t>>> cases = {
+      {100003, {0, 25000, 32767, 32768, 301 * 1001 - 1}},
+      {65548, {0, 1000, 16385, 16390, 301 * 1001 - 1}},
+  };
+  for (const auto& [chunk_bytes, elements] : cases)
+  for (const uint64_t element : elements) {
     for (const uint32_t bits : {0x7fc00000u, 0xff800000u, 0x7f800001u}) {  // NaN, -inf, signalling NaN
       std::vector<SourceTensor> sources;
       for (const ParamSpec& param : staging_.params()) sources.push_back(RandomSource(param, DType::kF32, rng_));
@@ -794,12 +801,12 @@ TEST_P(WeightUpdateHashOnArrivalTest, FirstNonFiniteElementIsFoundAcrossChunkAnd
       std::memcpy(embed.bytes.data() + 4 * element, &bits, 4);
       std::memcpy(&embed.expected[element], &bits, 4);
       ASSERT_TRUE(staging_.Begin(ManifestFor(5, sources), 4).ok());
-      ASSERT_NO_FATAL_FAILURE(WriteAll(staging_, Chunks(sources, 100003)));
+      ASSERT_NO_FATAL_FAILURE(WriteAll(staging_, Chunks(sources, chunk_bytes)));
       const UpdateStatus status = staging_.Verify();
       ASSERT_TRUE(status.ok()) << status.error();  // the staging stages NaNs exactly; the engine refuses them
       for (const VerifiedTensor& t : staging_.verified()) {
         EXPECT_EQ(t.first_nonfinite, t.param->name == embed.name ? std::optional<uint64_t>(element) : std::nullopt)
-            << t.param->name << " element " << element << " bits " << bits;
+            << t.param->name << " element " << element << " bits " << bits << " chunks of " << chunk_bytes;
       }
       staging_.Finish();
     }
