@@ -113,6 +113,8 @@ int main(int argc, char** argv) {
       batch.token_ids.push_back(tokens[i]);
       batch.positions.push_back(static_cast<int32_t>(i));
     }
+    // The prompt is printed first, as run.c prints it (every piece after BOS).
+    for (size_t i = 1; i < tokens.size(); ++i) PrintPiece(tokenizer->DecodePiece(tokens[i - 1], tokens[i]));
     const auto t0 = std::chrono::steady_clock::now();
     int generated = 0;
     while (generated < params.max_new_tokens) {

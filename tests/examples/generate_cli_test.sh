@@ -24,12 +24,28 @@ grep -q -- "--max-new-tokens: must be an integer >= 1 (got '0')" /tmp/vroll_cli_
 grep -q -- "--threads: must be an integer >= 0 (got '-1')" /tmp/vroll_cli_err.$$ || { cat /tmp/vroll_cli_err.$$; exit 1; }
 "$BIN" --temperature -1 >"$out" 2>/tmp/vroll_cli_err.$$ && { echo "--temperature -1 accepted"; exit 1; }
 grep -q -- "--temperature: must be a number >= 0 (got '-1')" /tmp/vroll_cli_err.$$ || { cat /tmp/vroll_cli_err.$$; exit 1; }
+# An unknown or upper-case VROLL_LOG_LEVEL does not silence errors (spdlog would map it to off).
+VROLL_LOG_LEVEL=WARN "$BIN" --top-p 0 >"$out" 2>/tmp/vroll_cli_err.$$ && { echo "--top-p 0 accepted"; exit 1; }
+grep -q "top_p = 0 must be in (0, 1]" /tmp/vroll_cli_err.$$ || { echo "VROLL_LOG_LEVEL=WARN hid the error"; cat /tmp/vroll_cli_err.$$; exit 1; }
+VROLL_LOG_LEVEL=chatty "$BIN" --top-p 0 >"$out" 2>/tmp/vroll_cli_err.$$ && { echo "--top-p 0 accepted"; exit 1; }
+grep -q "VROLL_LOG_LEVEL=chatty is not a log level" /tmp/vroll_cli_err.$$ || { echo "no word on VROLL_LOG_LEVEL=chatty"; cat /tmp/vroll_cli_err.$$; exit 1; }
+grep -q "top_p = 0 must be in (0, 1]" /tmp/vroll_cli_err.$$ || { echo "VROLL_LOG_LEVEL=chatty hid the error"; cat /tmp/vroll_cli_err.$$; exit 1; }
 rm -f /tmp/vroll_cli_err.$$
 if [ ! -f "$SHARED/models/stories260K.bin" ]; then echo "skipped: no $SHARED/models"; exit 77; fi
 "$BIN" --model "$SHARED/models/stories260K.bin" --tokenizer "$SHARED/models/tok512.bin" \
   --temperature 0 --max-new-tokens 200 >"$out" 2>/dev/null || { echo "generation failed"; exit 1; }
 if ! cmp "$out" "$SHARED/reference/stories260K_greedy_n200.txt"; then
   echo "output differs from the reference:"; diff "$out" "$SHARED/reference/stories260K_greedy_n200.txt"; exit 1
+fi
+# With a prompt the text is printed from the prompt on, as run.c prints it: greedy from the
+# reference's own first words continues as the reference does, so prompt + continuation is a
+# prefix of it.
+"$BIN" --model "$SHARED/models/stories260K.bin" --tokenizer "$SHARED/models/tok512.bin" \
+  --prompt "Once upon a time, there was a little girl" --temperature 0 --max-new-tokens 30 >"$out" 2>/dev/null ||
+  { echo "generation with a prompt failed"; exit 1; }
+n=$(($(wc -c <"$out") - 1))  # without the final newline
+if [ "$n" -lt 100 ] || ! head -c "$n" "$SHARED/reference/stories260K_greedy_n200.txt" | cmp -s - <(head -c "$n" "$out"); then
+  echo "with --prompt, the output is not the prompt followed by the reference's continuation:"; cat "$out"; exit 1
 fi
 # A tokenizer with bytes past the model's vocabulary (here tok512 twice) loads, with a warning.
 cat "$SHARED/models/tok512.bin" "$SHARED/models/tok512.bin" >"$out.tok"
