@@ -126,6 +126,19 @@ class GenerateTest(FakeWorkerTestCase):
         self.assertEqual([o.outputs[0].token_ids for o in outs],
                          [expected_tokens([i], 0, 2, VOCAB) for i in range(6)])
 
+    def test_a_worker_overloaded_past_timeout_s_raises_worker_error_overloaded(self):
+        # As docs/SCALE_OUT.md says: WorkerError with code overloaded, not VrollTimeoutError.
+        worker = self.workers[0]
+        worker.num_overloaded = 10 ** 6
+        client = VrollClient(worker.endpoint, timeout_s=0.5)
+        try:
+            with self.assertRaises(WorkerError) as cm:
+                client.generate([[1]])
+            self.assertEqual(cm.exception.code, "overloaded")
+            self.assertNotIsInstance(cm.exception, VrollTimeoutError)
+        finally:
+            client.close(linger_ms=0)
+
     def test_overloaded_worker_is_sent_requests_as_its_slots_free(self):
         # A worker with max_pending_requests = 2; the client sends all 20 requests at once (80
         # samples fit max_in_flight) and 18 are refused. Re-sends must follow finished
@@ -226,6 +239,45 @@ class GenerateTest(FakeWorkerTestCase):
         for w in self.workers:
             self.assertEqual(w.types(), [])
 
+
+    def test_malformed_prompts_and_sampling_fields_are_refused_naming_them(self):
+        cases = [
+            (lambda: self.client.generate([[1, 2 ** 70]]), ValueError, "prompts[0]: prompt[1] = 1180591620717411303424"),
+            (lambda: self.client.generate([[True, 2]]), TypeError, "prompts[0]: prompt[0] = True is a bool"),
+            (lambda: self.client.generate([[1], None]), TypeError, "prompts[1]: prompt = None must be a list"),
+            (lambda: self.client.generate("hello"), TypeError, "text prompts are not supported"),
+            (lambda: self.client.generate([{"prompt": "hi"}]), TypeError, "needs 'prompt_token_ids'"),
+            (lambda: self.client.generate(np.zeros((2, 2, 2), dtype=np.int64)), TypeError, "a 3-D array"),
+            (lambda: self.client.generate([[1]], SamplingParams(stop_token_ids=2)), TypeError,
+             "sampling.stop_token_ids = 2 must be a list of token ids"),
+            (lambda: self.client.generate([[1]], SamplingParams(stop_token_ids=[2, 1.0])), TypeError,
+             "sampling.stop_token_ids[1] = 1.0 is not an integer"),
+        ]
+        for call, error, message in cases:
+            with self.subTest(message):
+                with self.assertRaises(error) as cm:
+                    call()
+                self.assertIn(message, str(cm.exception))
+        for w in self.workers:
+            self.assertEqual(w.types(), [])
+
+    def test_prompt_forms_and_sampling_values_a_vllm_user_passes(self):
+        import torch
+        want = expected_tokens([1, 5, 7], 0, 3, VOCAB)
+        forms = [[1, 5, 7], np.array([1, 5, 7]), torch.tensor([1, 5, 7]), {"prompt_token_ids": [1, 5, 7]},
+                 [{"prompt_token_ids": [1, 5, 7]}], np.array([[1, 5, 7]]), torch.tensor([[1, 5, 7]])]
+        for prompts in forms:
+            with self.subTest(type(prompts).__name__):
+                outs = self.client.generate(prompts, SamplingParams(max_tokens=3))
+                self.assertEqual(len(outs), 1)
+                self.assertEqual(outs[0].prompt_token_ids, [1, 5, 7])
+                self.assertEqual(outs[0].outputs[0].token_ids, want)
+        # vLLM's defaults: top_k=-1 (disabled) and stop_token_ids=None go out as the protocol's 0 and [].
+        self.client.generate([[1]], SamplingParams(top_k=-1, stop_token_ids=None, max_tokens=1))
+        sent = [h for w in self.workers for t, h in w.received if t == "generate"][-1]
+        self.assertEqual(sent["sampling"]["top_k"], 0)
+        self.assertEqual(sent["sampling"]["stop_token_ids"], [])
+        self.assertEqual(SamplingParams(top_k=-2).to_wire()["top_k"], -2)  # the worker's to refuse
 
     def test_ints_msgpack_cannot_carry_are_refused_naming_the_field(self):
         cases = [

@@ -137,6 +137,33 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
+def _prompt_list(prompts: Any) -> List[Any]:
+    """generate()'s prompts as a list of token-id sequences: one prompt given flat (a list of
+    ints, a 1-D numpy array or torch tensor) or as vLLM's ``{"prompt_token_ids": [...]}``
+    becomes a list of one; a 2-D array or tensor, one prompt per row; dicts in a list are
+    unwrapped too."""
+    def unwrap(prompt: Any) -> Any:
+        if isinstance(prompt, Mapping):
+            if "prompt_token_ids" not in prompt:
+                raise TypeError(f"a prompt dict needs 'prompt_token_ids' (got keys {sorted(prompt)!r}); "
+                                "text prompts are not supported: tokenize first")
+            return prompt["prompt_token_ids"]
+        return prompt
+    if isinstance(prompts, Mapping):
+        return [unwrap(prompts)]
+    ndim = getattr(prompts, "ndim", None)  # numpy arrays, torch tensors
+    if ndim == 1:
+        return [prompts]
+    if ndim is not None and ndim != 2:
+        raise TypeError(f"prompts: a {ndim}-D array; expected one prompt (1-D) or one per row (2-D)")
+    if isinstance(prompts, (str, bytes)):
+        raise TypeError("prompts: text prompts are not supported (token ids only): tokenize first")
+    prompts = list(prompts)
+    if prompts and _is_int(prompts[0]):
+        return [prompts]  # one prompt given flat, as vLLM accepts
+    return [unwrap(p) for p in prompts]
+
+
 def _check_n(n: Any, what: str) -> int:
     """n as an int in [1, 2**64); ValueError naming `what` else (numpy ints are fine)."""
     if not _is_int(n) or n < 1:
@@ -497,7 +524,9 @@ class VrollClient:
         Args:
           prompts: token-id lists (ints, numpy ints fine), each non-empty and shorter than the
             worker's max_model_len (``health()``: the model's max_seq_len unless the worker's KV
-            cache is too small for it); or one prompt as a flat list of ints (one output).
+            cache is too small for it); or one prompt as a flat list of ints, a 1-D numpy array
+            or torch tensor (one output); a 2-D array: one prompt per row; vLLM's
+            ``{"prompt_token_ids": [...]}`` in place of a prompt.
           sampling_params: one SamplingParams for all prompts, or one per prompt (default
             SamplingParams()).
           n: samples per prompt (a GRPO group), 1 <= n <= the worker's max_num_seqs; default:
@@ -559,8 +588,7 @@ class VrollClient:
                           endpoints: Optional[Sequence[str]]
                           ) -> Tuple[List[_PendingRequest], List[_Worker]]:
         """Checks generate's arguments and builds its requests (nothing is sent)."""
-        if _is_int(next(iter(prompts), None)):
-            prompts = [prompts]  # one prompt given flat, as vLLM accepts
+        prompts = _prompt_list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
@@ -590,8 +618,8 @@ class VrollClient:
             rid = self._next_id("r")
             try:
                 header = protocol.make_generate(rid, prompt, num_samples, wire, min_policy_version)
-            except TypeError as exc:
-                raise TypeError(f"prompts[{i}]: {exc}") from None
+            except (TypeError, ValueError) as exc:
+                raise type(exc)(f"prompts[{i}]: {exc}") from None
             if not header["prompt"]:
                 raise ValueError(f"prompts[{i}] is empty (a prompt needs at least one token)")
             requests.append(_PendingRequest(i, rid, header, num_samples, [None] * num_samples))

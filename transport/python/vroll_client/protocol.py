@@ -88,13 +88,22 @@ def _base(type_: str, id_: Optional[str]) -> Dict[str, Any]:
 
 
 def _token_ids(values: Iterable[Any], what: str) -> List[int]:
-    """Plain Python ints (msgpack cannot pack numpy integers); TypeError names the bad element."""
+    """Plain Python ints (msgpack cannot pack numpy integers or torch scalars). TypeError names
+    the bad element (bool is not a token id) or ``what`` when it is not a sequence; ValueError an
+    int msgpack cannot carry. The range of the vocabulary is the worker's to check."""
+    if isinstance(values, (str, bytes, Mapping)) or not isinstance(values, Iterable):
+        raise TypeError(f"{what} = {values!r} must be a list of token ids")
     out = []
     for i, value in enumerate(values):
+        if isinstance(value, bool) or type(value).__name__ == "bool_":
+            raise TypeError(f"{what}[{i}] = {value!r} is a bool, not a token id")
         try:
-            out.append(operator.index(value))
+            token = operator.index(value)
         except TypeError:
             raise TypeError(f"{what}[{i}] = {value!r} is not an integer") from None
+        if not WIRE_INT_MIN <= token < WIRE_INT_END:
+            raise ValueError(f"{what}[{i}] = {token} is not a token id (out of the range msgpack carries)")
+        out.append(token)
     return out
 
 

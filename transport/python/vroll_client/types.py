@@ -16,11 +16,12 @@ class SamplingParams:
       temperature: softmax temperature, >= 0; 0 is greedy (argmax, lowest id on ties).
       top_p: nucleus mass in (0, 1]; 1 disables it. Applied after top_k, to the renormalized
         probabilities, as vLLM does.
-      top_k: keep the k most likely tokens; 0 disables it. Tokens of exactly equal probability
+      top_k: keep the k most likely tokens; 0 (or -1, vLLM's value) disables it. Tokens of exactly equal probability
         rank by lower id, so exactly k are kept (vLLM keeps every token tied with the k-th); the
         nucleus of top_p is cut the same way.
       max_tokens: generated tokens per sample, >= 1 (the protocol's ``max_new_tokens``).
-      stop_token_ids: generating one of these ends the sample with finish reason ``stop``.
+      stop_token_ids: generating one of these ends the sample with finish reason ``stop``
+        (None: none, as vLLM's default).
       include_stop_token: whether the stop token (and its logprob) is part of the output.
       seed: seed of the request's generators (sample i draws from stream (seed, i)); None lets
         the worker draw one.
@@ -38,7 +39,7 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0
     max_tokens: int = 16
-    stop_token_ids: List[int] = field(default_factory=list)
+    stop_token_ids: Optional[List[int]] = field(default_factory=list)
     include_stop_token: bool = True
     seed: Optional[int] = None
     n: int = 1
@@ -57,14 +58,21 @@ class SamplingParams:
         wire: Dict[str, Any] = {
             "temperature": protocol.wire_float(self.temperature, "sampling.temperature"),
             "top_p": protocol.wire_float(self.top_p, "sampling.top_p"),
-            "top_k": protocol.wire_int(self.top_k, "sampling.top_k"),
+            "top_k": _wire_top_k(self.top_k),
             "max_new_tokens": protocol.wire_int(self.max_tokens, "sampling.max_tokens"),
-            "stop_token_ids": protocol._token_ids(self.stop_token_ids, "sampling.stop_token_ids"),
+            "stop_token_ids": protocol._token_ids([] if self.stop_token_ids is None else self.stop_token_ids,
+                                                  "sampling.stop_token_ids"),
             "include_stop_token": _wire_bool(self.include_stop_token, "sampling.include_stop_token"),
         }
         if self.seed is not None:
             wire["seed"] = protocol.wire_int(self.seed, "sampling.seed", 0)
         return wire
+
+
+def _wire_top_k(value: Any) -> int:
+    """top_k for the wire: -1, vLLM's "disabled", becomes the protocol's 0."""
+    top_k = protocol.wire_int(value, "sampling.top_k")
+    return 0 if top_k == -1 else top_k
 
 
 def _wire_bool(value: Any, what: str) -> bool:
