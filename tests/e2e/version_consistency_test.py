@@ -236,6 +236,7 @@ class VersionConsistencyTest(unittest.TestCase):
             mixed += len(c.version_spans) > 1
         print(f"\n  {mode}: {len(results)} samples, {spans_checked} spans checked against 3 versions each, "
               f"versions seen {sorted(versions_seen)}, {mixed} with mixed versions", file=sys.stderr)
+        self.assertGreater(spans_checked, 0, "no sample had output tokens to check")
         for endpoint, reply in health.items():
             self.assertEqual(reply["policy_version"], last, endpoint)
         self.assertGreaterEqual(len(versions_seen), 2, f"requests never overlapped an update: {versions_seen}")

@@ -779,8 +779,11 @@ TEST_P(WeightUpdateHashOnArrivalTest, ACorruptedChunkIsCaughtAndAGoodUpdateVerif
 TEST_P(WeightUpdateHashOnArrivalTest, FirstNonFiniteElementIsFoundAcrossChunkAndBlockBoundaries) {
   // 100003-byte chunks: element 32768 starts the second 128 KiB hash block; a chunk ends inside
   // element 25000 (bytes [100000, 100004)). 65548-byte chunks (whole values, 12 bytes past a
-  // 64-byte line): the values are checked as they are copied, element 1000 in the copy's 64-byte
-  // lines, 16385 in the 12-byte tail of the first chunk, 16390 in the 52-byte head of the second.
+  // 64-byte line): the values are checked as they are copied: element 1000 in the copy's 64-byte
+  // lines; the head and tail (memcpy) parts depend on the staging buffer's alignment mod 64, and
+  // for each of the four 16-byte alignments 16385 lands in the first chunk's tail and 0 or 16390
+  // in a head. A second non-finite value 40000 elements later (where it fits) must not be the one
+  // reported, whichever chunk arrives first.
   const std::vector<std::pair<size_t, std::vector<uint64_t>>> cases = {
       {100003, {0, 25000, 32767, 32768, 301 * 1001 - 1}},
       {65548, {0, 1000, 16385, 16390, 301 * 1001 - 1}},
@@ -800,6 +803,10 @@ TEST_P(WeightUpdateHashOnArrivalTest, FirstNonFiniteElementIsFoundAcrossChunkAnd
       SourceTensor& embed = sources[0];
       std::memcpy(embed.bytes.data() + 4 * element, &bits, 4);
       std::memcpy(&embed.expected[element], &bits, 4);
+      if (element + 40000 < embed.expected.size()) {
+        std::memcpy(embed.bytes.data() + 4 * (element + 40000), &bits, 4);
+        std::memcpy(&embed.expected[element + 40000], &bits, 4);
+      }
       ASSERT_TRUE(staging_.Begin(ManifestFor(5, sources), 4).ok());
       ASSERT_NO_FATAL_FAILURE(WriteAll(staging_, Chunks(sources, chunk_bytes)));
       const UpdateStatus status = staging_.Verify();

@@ -241,12 +241,18 @@ class GenerateTest(FakeWorkerTestCase):
 
 
     def test_malformed_prompts_and_sampling_fields_are_refused_naming_them(self):
+        import torch
         cases = [
             (lambda: self.client.generate([[1, 2 ** 70]]), ValueError, "prompts[0]: prompt[1] = 1180591620717411303424"),
             (lambda: self.client.generate([[True, 2]]), TypeError, "prompts[0]: prompt[0] = True is a bool"),
             (lambda: self.client.generate([[1], None]), TypeError, "prompts[1]: prompt = None must be a list"),
             (lambda: self.client.generate("hello"), TypeError, "text prompts are not supported"),
-            (lambda: self.client.generate([{"prompt": "hi"}]), TypeError, "needs 'prompt_token_ids'"),
+            (lambda: self.client.generate([[1], {"prompt": "hi"}]), TypeError, "prompts[1]: a prompt dict needs 'prompt_token_ids'"),
+            (lambda: self.client.generate([[1], "hi"]), TypeError, "prompts[1] = 'hi': text prompts are not supported"),
+            (lambda: self.client.generate(5), TypeError, "prompts = 5 must be a list of token-id lists"),
+            (lambda: self.client.generate(torch.tensor([[True, False]])), TypeError, "prompts[0]: prompt[0] = True is a bool"),
+            (lambda: self.client.generate([[1]], SamplingParams(stop_token_ids=torch.tensor(2))), TypeError,
+             "sampling.stop_token_ids = tensor(2) must be a list of token ids"),
             (lambda: self.client.generate(np.zeros((2, 2, 2), dtype=np.int64)), TypeError, "a 3-D array"),
             (lambda: self.client.generate([[1]], SamplingParams(stop_token_ids=2)), TypeError,
              "sampling.stop_token_ids = 2 must be a list of token ids"),
@@ -264,14 +270,21 @@ class GenerateTest(FakeWorkerTestCase):
     def test_prompt_forms_and_sampling_values_a_vllm_user_passes(self):
         import torch
         want = expected_tokens([1, 5, 7], 0, 3, VOCAB)
-        forms = [[1, 5, 7], np.array([1, 5, 7]), torch.tensor([1, 5, 7]), {"prompt_token_ids": [1, 5, 7]},
-                 [{"prompt_token_ids": [1, 5, 7]}], np.array([[1, 5, 7]]), torch.tensor([[1, 5, 7]])]
+        forms = [[1, 5, 7], (1, 5, 7), np.array([1, 5, 7]), torch.tensor([1, 5, 7]), {"prompt_token_ids": [1, 5, 7]},
+                 [{"prompt_token_ids": [1, 5, 7]}], np.array([[1, 5, 7]]), torch.tensor([[1, 5, 7]]),
+                 [torch.tensor([1, 5, 7])], list(torch.tensor([1, 5, 7])), (t for t in [1, 5, 7]),
+                 np.array([[1, 5, 7]], dtype=object)]
         for prompts in forms:
             with self.subTest(type(prompts).__name__):
                 outs = self.client.generate(prompts, SamplingParams(max_tokens=3))
                 self.assertEqual(len(outs), 1)
                 self.assertEqual(outs[0].prompt_token_ids, [1, 5, 7])
                 self.assertEqual(outs[0].outputs[0].token_ids, want)
+        # A 1-D array of token lists (numpy object array, as a pandas Series gives): one prompt each.
+        ragged = np.empty(2, dtype=object)
+        ragged[0], ragged[1] = [1, 5, 7], [2]
+        outs = self.client.generate(ragged, SamplingParams(max_tokens=3))
+        self.assertEqual([o.prompt_token_ids for o in outs], [[1, 5, 7], [2]])
         # vLLM's defaults: top_k=-1 (disabled) and stop_token_ids=None go out as the protocol's 0 and [].
         self.client.generate([[1]], SamplingParams(top_k=-1, stop_token_ids=None, max_tokens=1))
         sent = [h for w in self.workers for t, h in w.received if t == "generate"][-1]

@@ -140,28 +140,41 @@ def _is_int(value: Any) -> bool:
 def _prompt_list(prompts: Any) -> List[Any]:
     """generate()'s prompts as a list of token-id sequences: one prompt given flat (a list of
     ints, a 1-D numpy array or torch tensor) or as vLLM's ``{"prompt_token_ids": [...]}``
-    becomes a list of one; a 2-D array or tensor, one prompt per row; dicts in a list are
-    unwrapped too."""
-    def unwrap(prompt: Any) -> Any:
+    becomes a list of one; a 2-D array or tensor, one prompt per row; a 1-D array of token
+    lists (numpy object array, pandas Series), one prompt per element; dicts in a list are
+    unwrapped too. TypeError names what is malformed (nothing is sent)."""
+    def is_id(value: Any) -> bool:
+        return _is_int(value) or getattr(value, "ndim", None) == 0  # numpy / torch scalars
+
+    def unwrap(prompt: Any, i: int) -> Any:
         if isinstance(prompt, Mapping):
             if "prompt_token_ids" not in prompt:
-                raise TypeError(f"a prompt dict needs 'prompt_token_ids' (got keys {sorted(prompt)!r}); "
-                                "text prompts are not supported: tokenize first")
-            return prompt["prompt_token_ids"]
+                raise TypeError(f"prompts[{i}]: a prompt dict needs 'prompt_token_ids' (got keys "
+                                f"{sorted(map(str, prompt))!r}); text prompts are not supported: tokenize first")
+            prompt = prompt["prompt_token_ids"]
+        if isinstance(prompt, (str, bytes)):
+            raise TypeError(f"prompts[{i}] = {prompt!r}: text prompts are not supported (token ids only): "
+                            "tokenize first")
+        if getattr(prompt, "ndim", None) == 1 and hasattr(prompt, "tolist"):
+            prompt = prompt.tolist()  # plain ints: one conversion, not one per element
         return prompt
+
     if isinstance(prompts, Mapping):
-        return [unwrap(prompts)]
-    ndim = getattr(prompts, "ndim", None)  # numpy arrays, torch tensors
-    if ndim == 1:
-        return [prompts]
-    if ndim is not None and ndim != 2:
-        raise TypeError(f"prompts: a {ndim}-D array; expected one prompt (1-D) or one per row (2-D)")
+        return [unwrap(prompts, 0)]
     if isinstance(prompts, (str, bytes)):
-        raise TypeError("prompts: text prompts are not supported (token ids only): tokenize first")
-    prompts = list(prompts)
-    if prompts and _is_int(prompts[0]):
+        raise TypeError(f"prompts = {prompts!r}: text prompts are not supported (token ids only): tokenize first")
+    ndim = getattr(prompts, "ndim", None)  # numpy arrays, torch tensors, pandas Series
+    if ndim is not None and ndim not in (1, 2):
+        raise TypeError(f"prompts: a {ndim}-D array; expected one prompt (1-D) or one per row (2-D)")
+    if ndim is not None and hasattr(prompts, "tolist"):
+        prompts = prompts.tolist()
+    try:
+        prompts = list(prompts)
+    except TypeError:
+        raise TypeError(f"prompts = {prompts!r} must be a list of token-id lists (or one list of token ids)") from None
+    if prompts and is_id(prompts[0]):
         return [prompts]  # one prompt given flat, as vLLM accepts
-    return [unwrap(p) for p in prompts]
+    return [unwrap(p, i) for i, p in enumerate(prompts)]
 
 
 def _check_n(n: Any, what: str) -> int:

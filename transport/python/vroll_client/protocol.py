@@ -91,11 +91,14 @@ def _token_ids(values: Iterable[Any], what: str) -> List[int]:
     """Plain Python ints (msgpack cannot pack numpy integers or torch scalars). TypeError names
     the bad element (bool is not a token id) or ``what`` when it is not a sequence; ValueError an
     int msgpack cannot carry. The range of the vocabulary is the worker's to check."""
-    if isinstance(values, (str, bytes, Mapping)) or not isinstance(values, Iterable):
+    if (isinstance(values, (str, bytes, Mapping)) or not isinstance(values, Iterable)
+            or getattr(values, "ndim", 1) != 1):
         raise TypeError(f"{what} = {values!r} must be a list of token ids")
+    if hasattr(values, "tolist"):
+        values = values.tolist()  # numpy / torch: plain Python ints (and bools, refused below)
     out = []
     for i, value in enumerate(values):
-        if isinstance(value, bool) or type(value).__name__ == "bool_":
+        if isinstance(value, bool) or type(value).__name__ in ("bool_", "bool"):  # numpy 1 and 2
             raise TypeError(f"{what}[{i}] = {value!r} is a bool, not a token id")
         try:
             token = operator.index(value)
