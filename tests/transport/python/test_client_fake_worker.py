@@ -55,6 +55,16 @@ class FakeWorkerTestCase(unittest.TestCase):
 
 
 class GenerateTest(FakeWorkerTestCase):
+    def assert_each_refused_sending_nothing(self, cases):
+        """cases: (call, exception type, substring of its message); no worker receives anything."""
+        for call, error, message in cases:
+            with self.subTest(message):
+                with self.assertRaises(error) as cm:
+                    call()
+                self.assertIn(message, str(cm.exception))
+        for w in self.workers:
+            self.assertEqual(w.types(), [])
+
     def test_results_follow_prompt_order_and_sample_index(self):
         for w in self.workers:
             w.reverse = True  # samples come back newest first
@@ -259,13 +269,7 @@ class GenerateTest(FakeWorkerTestCase):
             (lambda: self.client.generate([[1]], SamplingParams(stop_token_ids=[2, 1.0])), TypeError,
              "sampling.stop_token_ids[1] = 1.0 is not an integer"),
         ]
-        for call, error, message in cases:
-            with self.subTest(message):
-                with self.assertRaises(error) as cm:
-                    call()
-                self.assertIn(message, str(cm.exception))
-        for w in self.workers:
-            self.assertEqual(w.types(), [])
+        self.assert_each_refused_sending_nothing(cases)
 
     def test_prompt_forms_and_sampling_values_a_vllm_user_passes(self):
         import torch
@@ -312,13 +316,7 @@ class GenerateTest(FakeWorkerTestCase):
             (lambda: self.client.push_weights(make_weights(1), version=2.0), TypeError,
              "version = 2.0 must be an int"),
         ]
-        for call, error, message in cases:
-            with self.subTest(message):
-                with self.assertRaises(error) as cm:
-                    call()
-                self.assertIn(message, str(cm.exception))
-        for w in self.workers:
-            self.assertEqual(w.types(), [])
+        self.assert_each_refused_sending_nothing(cases)
         # The largest values msgpack carries go out.
         self.client.generate([[1]], SamplingParams(seed=np.uint64(2 ** 64 - 1), max_tokens=1),
                              min_policy_version=np.int64(0))
