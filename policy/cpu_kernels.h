@@ -69,6 +69,21 @@ void PackedStoreFence();
 void LinearTiles(const float* x, int64_t m, int64_t k, const float* packed, int64_t n, const float* bias, float* y,
                  int64_t ldy, bool accumulate, int64_t tile_begin, int64_t tile_end, bool stream_output = false);
 
+namespace detail {
+/// The two implementations LinearTiles chooses from, by CPU only (same arguments, same bits on
+/// CPUs with FMA). LinearTilesPortable: GCC vector extensions, register tile 14 rows x 32 columns
+/// (AVX-512's 32 registers), cloned for AVX-512 / AVX+FMA / baseline; run where the CPU has
+/// AVX-512F, or neither AVX2 nor FMA. LinearTilesAvx2: AVX2+FMA intrinsics, one 16-column panel
+/// at a time, 6 rows x 2 registers (AVX2 has 16 registers: the portable tile's AVX2 clone spills
+/// and runs ~50x slower); run on CPUs with AVX2 and FMA but no AVX-512F. Call LinearTilesAvx2 only
+/// where the CPU has AVX2 and FMA. Exposed for tests that compare the two.
+void LinearTilesPortable(const float* x, int64_t m, int64_t k, const float* packed, int64_t n, const float* bias,
+                         float* y, int64_t ldy, bool accumulate, int64_t tile_begin, int64_t tile_end,
+                         bool stream_output);
+void LinearTilesAvx2(const float* x, int64_t m, int64_t k, const float* packed, int64_t n, const float* bias, float* y,
+                     int64_t ldy, bool accumulate, int64_t tile_begin, int64_t tile_end, bool stream_output);
+}  // namespace detail
+
 
 /// out[j] = weight[j] * (x[j] * 1 / sqrt(mean(x^2) + eps)) for one row of length n (llama2.c
 /// rmsnorm; Zhang & Sennrich 2019). x and out may alias.

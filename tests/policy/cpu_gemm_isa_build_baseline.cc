@@ -14,8 +14,9 @@ namespace vroll::testing {
 void LinearTilesBaseline(const float* x, int64_t m, int64_t k, const float* packed, int64_t n, const float* bias,
                          float* y, int64_t ldy, bool accumulate, int64_t tile_begin, int64_t tile_end,
                          bool stream_output) {
-  vroll_baseline_gemm_build::policy::kernels::LinearTiles(x, m, k, packed, n, bias, y, ldy, accumulate, tile_begin,
-                                                           tile_end, stream_output);
+  vroll_baseline_gemm_build::policy::kernels::detail::LinearTilesPortable(x, m, k, packed, n, bias, y, ldy,
+                                                                           accumulate, tile_begin, tile_end,
+                                                                           stream_output);
 }
 
 void PackWeightBaseline(const float* w, int64_t n, int64_t k, int64_t tile_begin, int64_t tile_end, float* packed) {

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <random>
 #include <string>
@@ -243,6 +244,63 @@ TEST(CpuGemmTest, TheAvx2FmaVariantComputesTheSameBitsAsTheOneThisCpuRuns) {
             ASSERT_EQ(std::memcmp(here.data(), avx2.data(), sizeof(float) * here.size()), 0)
                 << "accumulate=" << accumulate << " bias=" << (b != nullptr);
           }
+        }
+      }
+    }
+  }
+}
+
+// The AVX2+FMA micro-kernel (what CPUs with AVX2 but no AVX-512 run, e.g. AMD Zen 2/3) against
+// two oracles, bit for bit: each output computed as one std::fma chain over k in order, then
+// + bias, then + old y (the definition in cpu_kernels.h), and the portable kernel built for
+// AVX2+FMA (a second implementation). Shapes around its 6-row blocks and 16-column panels, a row
+// chunk boundary (k = 288: 222-row chunks), column tiles split over calls, a row stride wider than
+// n, streamed output.
+TEST(CpuGemmTest, TheAvx2MicroKernelComputesTheFmaChainBitsOfThePortableKernel) {
+  if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma")) GTEST_SKIP() << "this CPU has no AVX2+FMA";
+  struct Shape {
+    int64_t m, n, k;
+  };
+  std::vector<Shape> shapes;
+  for (int64_t m : {1, 5, 6, 7, 12, 13, 64}) {
+    for (int64_t n : {1, 15, 16, 17, 33, 70}) {
+      for (int64_t k : {1, 9, 288}) shapes.push_back({m, n, k});
+    }
+  }
+  shapes.push_back({300, 48, 288});
+  shapes.push_back({229, 40, 288});
+  for (const Shape& s : shapes) {
+    const int64_t m = s.m, n = s.n, k = s.k, ldy = n + 16;
+    SCOPED_TRACE(std::to_string(m) + " x " + std::to_string(n) + " x " + std::to_string(k));
+    const auto x = Random(m * k, 31), w = Random(n * k, 32), bias = Random(n, 33), y0 = Random(m * ldy, 34);
+    const auto packed = Packed(w, n, k);
+    for (bool accumulate : {false, true}) {
+      for (const float* b : {static_cast<const float*>(nullptr), bias.data()}) {
+        std::vector<float> expected = y0;
+        for (int64_t i = 0; i < m; ++i) {
+          for (int64_t j = 0; j < n; ++j) {
+            float acc = 0.0f;
+            for (int64_t kk = 0; kk < k; ++kk) acc = std::fma(x[i * k + kk], w[j * k + kk], acc);
+            if (b != nullptr) acc += b[j];
+            float& out = expected[i * ldy + j];
+            out = accumulate ? out + acc : acc;
+          }
+        }
+        std::vector<float> portable = y0;
+        vroll::testing::LinearTilesAvx2Fma(x.data(), m, k, packed.data(), n, b, portable.data(), ldy, accumulate, 0,
+                                           NumColumnTiles(n), /*stream_output=*/false);
+        ASSERT_EQ(std::memcmp(portable.data(), expected.data(), sizeof(float) * expected.size()), 0)
+            << "portable kernel, accumulate=" << accumulate << " bias=" << (b != nullptr);
+        for (bool stream : {false, true}) {
+          // y 64-byte aligned, so that streaming really streams where ldy allows it.
+          std::vector<float> buffer(y0.size() + 16);
+          float* micro = buffer.data() + (16 - reinterpret_cast<uintptr_t>(buffer.data()) % 64 / sizeof(float)) % 16;
+          std::memcpy(micro, y0.data(), sizeof(float) * y0.size());
+          for (int64_t t = 0; t < NumColumnTiles(n); ++t) {  // one call per tile, as threads split them
+            detail::LinearTilesAvx2(x.data(), m, k, packed.data(), n, b, micro, ldy, accumulate, t, t + 1, stream);
+          }
+          ASSERT_EQ(std::memcmp(micro, expected.data(), sizeof(float) * expected.size()), 0)
+              << "micro-kernel, accumulate=" << accumulate << " bias=" << (b != nullptr) << " stream=" << stream;
         }
       }
     }
