@@ -272,9 +272,17 @@ inline void SoftmaxInPlace(float* s, int n) {
   for (int i = 0; i < n; ++i) s[i] *= inv;
 }
 
+/// Partial sums of q . k for one key: a[l] = sum_c q[16 c + l] * k[16 c + l] (kChunks vectors).
+template <int kChunks>
+__attribute__((always_inline)) inline Vec KeyDot(const Vec* qv, const float* k) {
+  Vec a = qv[0] * Load(k);
+  for (int c = 1; c < kChunks; ++c) a += qv[c] * Load(k + 16 * c);
+  return a;
+}
+
 /// Scores of keys [j0, j0 + 16) of one row, every head: sc[h * ld + j] = scale * q[h] . k_j
 /// (keys of all heads read together, 16 at a time; kD a multiple of 16).
-template <int kD>
+template <int kD, bool kNarrow>
 __attribute__((always_inline)) inline void ScoreChunk(const float* q, int n_heads, int group, int j0, int num_keys,
                                                       int block_size, const int32_t* table, const float* k_base,
                                                       int64_t block_stride, int64_t token_stride, float scale,
@@ -295,18 +303,32 @@ __attribute__((always_inline)) inline void ScoreChunk(const float* q, int n_head
     const int64_t off = int64_t{h / group} * kD;
     Vec qv[kChunks];
     for (int c = 0; c < kChunks; ++c) qv[c] = Load(q + h * kD + 16 * c);
-    Vec acc[16];
+    Vec r;
+    if constexpr (kNarrow) {
+      // The same folds of the same operands as below, written so that each fold follows its
+      // inputs: ~5 vectors alive instead of 16 (AVX2 has 16 registers of 8 floats; the 16
+      // partial sums alone would need 32).
+#define VROLL_DOT(i) KeyDot<kChunks>(qv, kp[i] + off)
+      const Vec c0 = Fold2(Fold4(Fold8(VROLL_DOT(0), VROLL_DOT(1)), Fold8(VROLL_DOT(2), VROLL_DOT(3))),
+                           Fold4(Fold8(VROLL_DOT(4), VROLL_DOT(5)), Fold8(VROLL_DOT(6), VROLL_DOT(7))));
+      const Vec c1 = Fold2(Fold4(Fold8(VROLL_DOT(8), VROLL_DOT(9)), Fold8(VROLL_DOT(10), VROLL_DOT(11))),
+                           Fold4(Fold8(VROLL_DOT(12), VROLL_DOT(13)), Fold8(VROLL_DOT(14), VROLL_DOT(15))));
+#undef VROLL_DOT
+      r = Fold1(c0, c1) * scale;
+    } else {
+      Vec acc[16];
 #pragma GCC unroll 16
-    for (int i = 0; i < 16; ++i) {
-      Vec a = qv[0] * Load(kp[i] + off);
-      for (int c = 1; c < kChunks; ++c) a += qv[c] * Load(kp[i] + off + 16 * c);
-      acc[i] = a;
+      for (int i = 0; i < 16; ++i) {
+        Vec a = qv[0] * Load(kp[i] + off);
+        for (int c = 1; c < kChunks; ++c) a += qv[c] * Load(kp[i] + off + 16 * c);
+        acc[i] = a;
+      }
+      Vec a8[8], a4[4], a2[2];
+      for (int i = 0; i < 8; ++i) a8[i] = Fold8(acc[2 * i], acc[2 * i + 1]);
+      for (int i = 0; i < 4; ++i) a4[i] = Fold4(a8[2 * i], a8[2 * i + 1]);
+      for (int i = 0; i < 2; ++i) a2[i] = Fold2(a4[2 * i], a4[2 * i + 1]);
+      r = Fold1(a2[0], a2[1]) * scale;
     }
-    Vec a8[8], a4[4], a2[2];
-    for (int i = 0; i < 8; ++i) a8[i] = Fold8(acc[2 * i], acc[2 * i + 1]);
-    for (int i = 0; i < 4; ++i) a4[i] = Fold4(a8[2 * i], a8[2 * i + 1]);
-    for (int i = 0; i < 2; ++i) a2[i] = Fold2(a4[2 * i], a4[2 * i + 1]);
-    const Vec r = Fold1(a2[0], a2[1]) * scale;
     float lanes[16];
     std::memcpy(lanes, &r, sizeof(r));
     float* s = sc + h * ld + j0;
@@ -324,8 +346,11 @@ __attribute__((always_inline)) inline void PvBlockHeads(int h0, int group, int b
                                                         int64_t block_stride, int64_t token_stride, const float* p,
                                                         int64_t ld, float* out) {
   constexpr int kChunks = kD / 16;
+  // Every loop over acc is fully unrolled (constant indices), so that acc stays in registers.
   Vec acc[H * kChunks];
+#pragma GCC unroll 16
   for (int i = 0; i < H; ++i) {
+#pragma GCC unroll 8
     for (int c = 0; c < kChunks; ++c) acc[i * kChunks + c] = b == 0 ? Vec{} : Load(out + (h0 + i) * kD + 16 * c);
   }
   int64_t off[H];
@@ -341,25 +366,80 @@ __attribute__((always_inline)) inline void PvBlockHeads(int h0, int group, int b
       for (int c = 0; c < kChunks; ++c) acc[i * kChunks + c] += w * Load(vj + off[i] + 16 * c);
     }
   }
+#pragma GCC unroll 16
   for (int i = 0; i < H; ++i) {
+#pragma GCC unroll 8
     for (int c = 0; c < kChunks; ++c) std::memcpy(out + (h0 + i) * kD + 16 * c, &acc[i * kChunks + c], sizeof(Vec));
   }
 }
 
+typedef float Vec8 __attribute__((vector_size(32)));  // 8 floats: one AVX2 register
+
+/// PvBlockHeads with vectors of 8 floats, for the narrow tiles: GCC lowers 16-float vector
+/// arithmetic on AVX2 in pieces, building the broadcast of each weight through the stack. The
+/// same chain of fused multiply-adds per output element, so the same bits.
+template <int kD, int H>
+__attribute__((always_inline)) inline void PvBlockHeads8(int h0, int group, int b, int num_keys, int block_size,
+                                                         const int32_t* table, const float* v_base,
+                                                         int64_t block_stride, int64_t token_stride, const float* p,
+                                                         int64_t ld, float* out) {
+  constexpr int kHalves = kD / 8;
+  Vec8 acc[H * kHalves];
+#pragma GCC unroll 16
+  for (int i = 0; i < H; ++i) {
+#pragma GCC unroll 16
+    for (int c = 0; c < kHalves; ++c) {
+      if (b == 0) {
+        acc[i * kHalves + c] = Vec8{};
+      } else {
+        std::memcpy(&acc[i * kHalves + c], out + (h0 + i) * kD + 8 * c, sizeof(Vec8));
+      }
+    }
+  }
+  int64_t off[H];
+#pragma GCC unroll 16
+  for (int i = 0; i < H; ++i) off[i] = int64_t{(h0 + i) / group} * kD;
+  const int j0 = b * block_size, n = std::min(block_size, num_keys - j0);
+  const float* vb = v_base + table[b] * block_stride;
+  for (int j = 0; j < n; ++j) {
+    const float* vj = vb + j * token_stride;
+#pragma GCC unroll 16
+    for (int i = 0; i < H; ++i) {
+      const Vec8 w = Vec8{} + p[(h0 + i) * ld + j0 + j];
+#pragma GCC unroll 16
+      for (int c = 0; c < kHalves; ++c) {
+        Vec8 v;
+        std::memcpy(&v, vj + off[i] + 8 * c, sizeof(v));
+        acc[i * kHalves + c] += w * v;
+      }
+    }
+  }
+#pragma GCC unroll 16
+  for (int i = 0; i < H; ++i) {
+#pragma GCC unroll 16
+    for (int c = 0; c < kHalves; ++c) std::memcpy(out + (h0 + i) * kD + 8 * c, &acc[i * kHalves + c], sizeof(Vec8));
+  }
+}
+
 /// p.v of block b of one row, every head (heads in groups whose accumulators fit in registers).
-template <int kD>
+template <int kD, bool kNarrow>
 __attribute__((always_inline)) inline void PvBlock(int n_heads, int group, int b, int num_keys, int block_size,
                                                    const int32_t* table, const float* v_base, int64_t block_stride,
                                                    int64_t token_stride, const float* p, int64_t ld, float* out) {
   constexpr int kChunks = kD / 16;
-  constexpr int kGroupMax = kChunks >= 16 ? 1 : 16 / kChunks;
+  // Accumulators of 16 floats per group: 16 (one AVX-512 register each), or 6 when narrow (two
+  // AVX2 registers each: 12 of its 16).
+  constexpr int kBudget = kNarrow ? 6 : 16;
+  constexpr int kGroupMax = kChunks >= kBudget ? 1 : kBudget / kChunks;
   const int num_groups = (n_heads + kGroupMax - 1) / kGroupMax;
   for (int gi = 0, h0 = 0; gi < num_groups; ++gi) {
     const int size = n_heads / num_groups + (gi < n_heads % num_groups ? 1 : 0);
     switch (size) {
 #define VROLL_PV(H)                                                                                                \
   case H:                                                                                                          \
-    if constexpr (H <= kGroupMax) {                                                                                \
+    if constexpr (H <= kGroupMax && kNarrow) {                                                                     \
+      PvBlockHeads8<kD, H>(h0, group, b, num_keys, block_size, table, v_base, block_stride, token_stride, p, ld, out); \
+    } else if constexpr (H <= kGroupMax) {                                                                         \
       PvBlockHeads<kD, H>(h0, group, b, num_keys, block_size, table, v_base, block_stride, token_stride, p, ld, out); \
     }                                                                                                              \
     break;
@@ -376,7 +456,7 @@ __attribute__((always_inline)) inline void PvBlock(int n_heads, int group, int b
 /// (block by block) with every row inside, so each shared chunk is read from memory once and
 /// then from L1 for the other rows; the rest row by row. Per row the arithmetic is the same
 /// sequence of operations as for that row alone.
-template <int kD>
+template <int kD, bool kNarrow>
 __attribute__((always_inline)) inline void AttendTokensImpl(const TokenRow* rows, int num_rows, int shared_keys,
                                                             int n_kv, int group, int block_size, const float* k_base,
                                                             const float* v_base, int64_t block_stride,
@@ -388,10 +468,10 @@ __attribute__((always_inline)) inline void AttendTokensImpl(const TokenRow* rows
   // (No lambdas here: a lambda is a function of its own, compiled for the baseline ISA rather
   // than this clone's, unless inlined.)
 #define VROLL_SCORE(r, j0)                                                                                     \
-  ScoreChunk<kD>(rows[r].q, n_heads, group, j0, rows[r].num_keys, block_size, rows[r].table, k_base, block_stride, \
+  ScoreChunk<kD, kNarrow>(rows[r].q, n_heads, group, j0, rows[r].num_keys, block_size, rows[r].table, k_base, block_stride, \
                  token_stride, scale, scores + (r) * row_scores, ld)
 #define VROLL_PV_BLOCK(r, b)                                                                                      \
-  PvBlock<kD>(n_heads, group, b, rows[r].num_keys, block_size, rows[r].table, v_base, block_stride, token_stride, \
+  PvBlock<kD, kNarrow>(n_heads, group, b, rows[r].num_keys, block_size, rows[r].table, v_base, block_stride, token_stride, \
               scores + (r) * row_scores, ld, rows[r].out)
   for (int j0 = 0; j0 < shared_keys; j0 += 16) {
     for (int r = 0; r < num_rows; ++r) VROLL_SCORE(r, j0);
@@ -414,11 +494,86 @@ __attribute__((always_inline)) inline void AttendTokensImpl(const TokenRow* rows
 
 }  // namespace
 
+namespace {
+
+/// Whether AttendTokens keeps its register tiles narrow: on CPUs without AVX-512F, whose 16
+/// vector registers (AVX2, SSE) hold a quarter or less of what the wide tiles keep in AVX-512's
+/// 32 (the wide tiles spilled on an AMD EPYC: attention took 36% of a batch-64 step there).
+/// Decided by the CPU only, never by the data; a row's results do not depend on the batch either
+/// way. The test builds of the other ISA variants (tests/support/kernel_isa_build.cc) take the
+/// narrow tiles, as the CPUs that run those variants do.
+bool NarrowTiles() {
+#ifdef VROLL_ISA_VARIANT
+  return true;
+#else
+  static const bool narrow = !__builtin_cpu_supports("avx512f");
+  return narrow;
+#endif
+}
+
+}  // namespace
+
 int64_t AttendTokensScratch(int num_rows, int n_heads, int max_keys) {
   return int64_t{num_rows} * n_heads * max_keys + 16;
 }
 
-VROLL_KERNEL_CLONES
+// The tiled head sizes with wide tiles (AVX-512 only: one function, not a clone per ISA) and with
+// narrow tiles (the other ISAs' clones); other head sizes row by row (AttendRow). A test build of
+// one ISA variant (VROLL_ISA_VARIANT) compiles the narrow tiles only, for that variant's target.
+#ifdef VROLL_ISA_VARIANT
+#define VROLL_NARROW_CLONES VROLL_KERNEL_CLONES
+#else
+#define VROLL_NARROW_CLONES __attribute__((target_clones("fma", "default")))
+#endif
+
+#define VROLL_ATTEND_TOKENS_BODY(NARROW)                                                                       \
+  switch (head_dim) {                                                                                          \
+    VROLL_ATTEND_TOKENS_CASE(16, NARROW)                                                                       \
+    VROLL_ATTEND_TOKENS_CASE(32, NARROW)                                                                       \
+    VROLL_ATTEND_TOKENS_CASE(48, NARROW)                                                                       \
+    VROLL_ATTEND_TOKENS_CASE(64, NARROW)                                                                       \
+    VROLL_ATTEND_TOKENS_CASE(80, NARROW)                                                                       \
+    VROLL_ATTEND_TOKENS_CASE(96, NARROW)                                                                       \
+    VROLL_ATTEND_TOKENS_CASE(128, NARROW)                                                                      \
+    default:                                                                                                   \
+      for (int r = 0; r < num_rows; ++r) {                                                                     \
+        for (int kv = 0; kv < n_kv; ++kv) {                                                                    \
+          const int64_t head_offset = int64_t{kv} * group * head_dim;                                          \
+          AttendRow(rows[r].q + head_offset, group, head_dim, rows[r].num_keys, block_size, rows[r].table,     \
+                    k_base + int64_t{kv} * head_dim, v_base + int64_t{kv} * head_dim, block_stride,            \
+                    token_stride, scale, scores, rows[r].out + head_offset);                                   \
+        }                                                                                                      \
+      }                                                                                                        \
+  }
+#define VROLL_ATTEND_TOKENS_CASE(D, NARROW)                                                                    \
+  case D:                                                                                                      \
+    return AttendTokensImpl<D, NARROW>(rows, num_rows, shared_keys, n_kv, group, block_size, k_base, v_base,   \
+                                       block_stride, token_stride, scale, scores);
+
+namespace {
+
+#ifndef VROLL_ISA_VARIANT
+__attribute__((target("avx512f"))) void AttendTokensWide(const TokenRow* rows, int num_rows, int shared_keys, int n_kv,
+                                                         int group, int head_dim, int block_size, const float* k_base,
+                                                         const float* v_base, int64_t block_stride,
+                                                         int64_t token_stride, float scale, float* scores) {
+  VROLL_ATTEND_TOKENS_BODY(false)
+}
+#endif
+
+VROLL_NARROW_CLONES
+void AttendTokensNarrow(const TokenRow* rows, int num_rows, int shared_keys, int n_kv, int group, int head_dim,
+                        int block_size, const float* k_base, const float* v_base, int64_t block_stride,
+                        int64_t token_stride, float scale, float* scores) {
+  VROLL_ATTEND_TOKENS_BODY(true)
+}
+
+}  // namespace
+
+#undef VROLL_ATTEND_TOKENS_CASE
+#undef VROLL_ATTEND_TOKENS_BODY
+#undef VROLL_NARROW_CLONES
+
 void AttendTokens(const TokenRow* rows, int num_rows, int shared_keys, int n_kv, int group, int head_dim,
                   int block_size, const float* k_base, const float* v_base, int64_t block_stride,
                   int64_t token_stride, float scale, float* scores) {
@@ -427,28 +582,14 @@ void AttendTokens(const TokenRow* rows, int num_rows, int shared_keys, int n_kv,
   shared_keys = std::max(0, shared_keys);
   const int unit = block_size % 16 == 0 ? block_size : 0;
   shared_keys = unit > 0 ? shared_keys / unit * unit : 0;
-#define VROLL_ATTEND_TOKENS(D)                                                                                 \
-  return AttendTokensImpl<D>(rows, num_rows, shared_keys, n_kv, group, block_size, k_base, v_base, block_stride, \
-                             token_stride, scale, scores)
-  switch (head_dim) {
-    case 16: VROLL_ATTEND_TOKENS(16);
-    case 32: VROLL_ATTEND_TOKENS(32);
-    case 48: VROLL_ATTEND_TOKENS(48);
-    case 64: VROLL_ATTEND_TOKENS(64);
-    case 80: VROLL_ATTEND_TOKENS(80);
-    case 96: VROLL_ATTEND_TOKENS(96);
-    case 128: VROLL_ATTEND_TOKENS(128);
-    default:
-      for (int r = 0; r < num_rows; ++r) {
-        for (int kv = 0; kv < n_kv; ++kv) {
-          const int64_t head_offset = int64_t{kv} * group * head_dim;
-          AttendRow(rows[r].q + head_offset, group, head_dim, rows[r].num_keys, block_size, rows[r].table,
-                    k_base + int64_t{kv} * head_dim, v_base + int64_t{kv} * head_dim, block_stride, token_stride,
-                    scale, scores, rows[r].out + head_offset);
-        }
-      }
+#ifndef VROLL_ISA_VARIANT
+  if (!NarrowTiles()) {
+    return AttendTokensWide(rows, num_rows, shared_keys, n_kv, group, head_dim, block_size, k_base, v_base,
+                            block_stride, token_stride, scale, scores);
   }
-#undef VROLL_ATTEND_TOKENS
+#endif
+  AttendTokensNarrow(rows, num_rows, shared_keys, n_kv, group, head_dim, block_size, k_base, v_base, block_stride,
+                     token_stride, scale, scores);
 }
 
 namespace {
