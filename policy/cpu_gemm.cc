@@ -238,10 +238,98 @@ __attribute__((target("avx512f"))) void PackPanelAvx512(const float* const* rows
   }
 }
 
-/// Whether packing takes the AVX-512 path: the CPU has it (decided once; never data-dependent).
-bool PackWithAvx512() {
-  static const bool avx512 = __builtin_cpu_supports("avx512f");
-  return avx512;
+// ---- Packing with AVX2 intrinsics ---------------------------------------------------------------
+// On CPUs with AVX2 but no AVX-512 (AMD Zen 2/3, many client chips) the portable packing runs its
+// 16-float vectors as pairs of AVX2 registers: the 16 x 16 transpose needs 32 of them (16 in
+// AVX2) and GCC builds it through the stack. This path transposes 8 x 8 blocks in registers (the
+// textbook unpack / shuffle / 128-bit permute stages) and writes each 64-byte line of the panel
+// as two 32-byte stores: rows 0-7 of the panel from one block, rows 8-15 from the next. It only
+// moves floats: same bits as the other paths (tests compare them).
+
+/// Transposes the 8 x 8 block r[row][col] in place: r[c][l] <- r[l][c].
+__attribute__((target("avx2"), always_inline)) inline void Transpose8Avx2(__m256* r) {
+  __m256 t[8];
+  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: (a0 b0 a1 b1), (a2 b2 a3 b3)
+    t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 2; ++i) {  // r[4i + j], lane L: column 4L + j of rows 4i .. 4i + 3
+    r[4 * i + 0] = _mm256_shuffle_ps(t[4 * i + 0], t[4 * i + 2], 0x44);
+    r[4 * i + 1] = _mm256_shuffle_ps(t[4 * i + 0], t[4 * i + 2], 0xEE);
+    r[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+    r[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+  }
+  for (int j = 0; j < 4; ++j) {  // columns j (low lanes) and 4 + j (high lanes) of all 8 rows
+    t[j] = _mm256_permute2f128_ps(r[j], r[4 + j], 0x20);
+    t[4 + j] = _mm256_permute2f128_ps(r[j], r[4 + j], 0x31);
+  }
+  for (int c = 0; c < 8; ++c) r[c] = t[c];
+}
+
+/// PackPanel with AVX2: same layout and bits. Blocks of 8 k steps; rows 0-7 of the panel fill
+/// the low half of each output line, rows 8-15 the high half.
+template <bool kStream>
+__attribute__((target("avx2"))) void PackPanelAvx2(const float* const* rows, int64_t k, float* dst) {
+  constexpr int kStep = 8;
+  const bool stream = kStream && reinterpret_cast<uintptr_t>(dst) % 64 == 0;
+  int64_t kk = 0;
+  for (; kk + kStep <= k; kk += kStep) {
+    for (int half = 0; half < 2; ++half) {
+      __m256 v[kStep];
+      for (int l = 0; l < kStep; ++l) {
+        const float* row = rows[half * kStep + l];
+        v[l] = row != nullptr ? _mm256_loadu_ps(row + kk) : _mm256_setzero_ps();
+      }
+      Transpose8Avx2(v);
+      float* out = dst + kk * kPanel + half * kStep;
+      if (stream) {
+        for (int c = 0; c < kStep; ++c) _mm256_stream_ps(out + c * kPanel, v[c]);
+      } else {
+        for (int c = 0; c < kStep; ++c) _mm256_storeu_ps(out + c * kPanel, v[c]);
+      }
+    }
+  }
+  for (; kk < k; ++kk) {
+    for (int64_t l = 0; l < kPanel; ++l) dst[kk * kPanel + l] = rows[l] != nullptr ? rows[l][kk] : 0.0f;
+  }
+}
+
+/// The packing path, chosen once by CPU (never data-dependent).
+enum class PackPath { kAvx512, kAvx2, kPortable };
+PackPath ChoosePackPath() {
+  static const PackPath path = __builtin_cpu_supports("avx512f") ? PackPath::kAvx512
+                               : __builtin_cpu_supports("avx2")  ? PackPath::kAvx2
+                                                                 : PackPath::kPortable;
+  return path;
+}
+
+/// PackWeight's loop over the panels of tiles [tile_begin, tile_end), packing each with `panel`.
+template <typename PanelFn>
+__attribute__((always_inline)) inline void PackWeightPanels(const float* w, int64_t n, int64_t k, int64_t tile_begin,
+                                                            int64_t tile_end, float* packed, PanelFn panel) {
+  for (int64_t p = tile_begin * kPanelsPerTile; p < tile_end * kPanelsPerTile; ++p) {
+    const float* rows[kPanel];
+    for (int64_t l = 0; l < kPanel; ++l) {
+      const int64_t row = p * kPanel + l;
+      rows[l] = row < n ? w + row * k : nullptr;
+    }
+    panel(rows, k, packed + p * k * kPanel);
+  }
+}
+
+/// PackTileRows' loop over the panels of one tile, packing each with `panel`.
+template <typename PanelFn>
+__attribute__((always_inline)) inline void PackTilePanels(const float* const* rows, int64_t n, int64_t k, int64_t tile,
+                                                          float* packed, PanelFn panel) {
+  const int64_t num_rows = std::min(kTileCols, n - tile * kTileCols);
+  for (int64_t q = 0; q < kPanelsPerTile; ++q) {
+    const float* panel_rows[kPanel];
+    for (int64_t l = 0; l < kPanel; ++l) {
+      const int64_t i = q * kPanel + l;
+      panel_rows[l] = i < num_rows ? rows[i] : nullptr;
+    }
+    panel(panel_rows, k, packed + (tile * kPanelsPerTile + q) * k * kPanel);
+  }
 }
 
 }  // namespace
@@ -252,54 +340,46 @@ namespace detail {
 
 VROLL_KERNEL_CLONES
 void PackWeightPortable(const float* w, int64_t n, int64_t k, int64_t tile_begin, int64_t tile_end, float* packed) {
-  for (int64_t p = tile_begin * kPanelsPerTile; p < tile_end * kPanelsPerTile; ++p) {
-    const float* rows[kPanel];
-    for (int64_t l = 0; l < kPanel; ++l) {
-      const int64_t row = p * kPanel + l;
-      rows[l] = row < n ? w + row * k : nullptr;
-    }
-    PackPanel<false>(rows, k, packed + p * k * kPanel);
-  }
+  PackWeightPanels(w, n, k, tile_begin, tile_end, packed, PackPanel<false>);
 }
 
 VROLL_KERNEL_CLONES
 void PackTileRowsPortable(const float* const* rows, int64_t n, int64_t k, int64_t tile, float* packed) {
-  const int64_t num_rows = std::min(kTileCols, n - tile * kTileCols);
-  for (int64_t q = 0; q < kPanelsPerTile; ++q) {
-    const float* panel_rows[kPanel];
-    for (int64_t l = 0; l < kPanel; ++l) {
-      const int64_t i = q * kPanel + l;
-      panel_rows[l] = i < num_rows ? rows[i] : nullptr;
-    }
-    PackPanel<true>(panel_rows, k, packed + (tile * kPanelsPerTile + q) * k * kPanel);
-  }
+  PackTilePanels(rows, n, k, tile, packed, PackPanel<true>);
+}
+
+void PackWeightAvx2(const float* w, int64_t n, int64_t k, int64_t tile_begin, int64_t tile_end, float* packed) {
+  PackWeightPanels(w, n, k, tile_begin, tile_end, packed, PackPanelAvx2<false>);
+}
+
+void PackTileRowsAvx2(const float* const* rows, int64_t n, int64_t k, int64_t tile, float* packed) {
+  PackTilePanels(rows, n, k, tile, packed, PackPanelAvx2<true>);
 }
 
 }  // namespace detail
 
 void PackWeight(const float* w, int64_t n, int64_t k, int64_t tile_begin, int64_t tile_end, float* packed) {
-  if (!PackWithAvx512()) return detail::PackWeightPortable(w, n, k, tile_begin, tile_end, packed);
-  for (int64_t p = tile_begin * kPanelsPerTile; p < tile_end * kPanelsPerTile; ++p) {
-    const float* rows[kPanel];
-    for (int64_t l = 0; l < kPanel; ++l) {
-      const int64_t row = p * kPanel + l;
-      rows[l] = row < n ? w + row * k : nullptr;
-    }
-    PackPanelAvx512<false>(rows, k, packed + p * k * kPanel);
+  switch (ChoosePackPath()) {
+    case PackPath::kAvx512:
+      return PackWeightPanels(w, n, k, tile_begin, tile_end, packed, PackPanelAvx512<false>);
+    case PackPath::kAvx2:
+      return detail::PackWeightAvx2(w, n, k, tile_begin, tile_end, packed);
+    case PackPath::kPortable:
+      break;
   }
+  detail::PackWeightPortable(w, n, k, tile_begin, tile_end, packed);
 }
 
 void PackTileRows(const float* const* rows, int64_t n, int64_t k, int64_t tile, float* packed) {
-  if (!PackWithAvx512()) return detail::PackTileRowsPortable(rows, n, k, tile, packed);
-  const int64_t num_rows = std::min(kTileCols, n - tile * kTileCols);
-  for (int64_t q = 0; q < kPanelsPerTile; ++q) {
-    const float* panel_rows[kPanel];
-    for (int64_t l = 0; l < kPanel; ++l) {
-      const int64_t i = q * kPanel + l;
-      panel_rows[l] = i < num_rows ? rows[i] : nullptr;
-    }
-    PackPanelAvx512<true>(panel_rows, k, packed + (tile * kPanelsPerTile + q) * k * kPanel);
+  switch (ChoosePackPath()) {
+    case PackPath::kAvx512:
+      return PackTilePanels(rows, n, k, tile, packed, PackPanelAvx512<true>);
+    case PackPath::kAvx2:
+      return detail::PackTileRowsAvx2(rows, n, k, tile, packed);
+    case PackPath::kPortable:
+      break;
   }
+  detail::PackTileRowsPortable(rows, n, k, tile, packed);
 }
 
 void PackedStoreFence() { _mm_sfence(); }

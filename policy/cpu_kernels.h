@@ -44,13 +44,18 @@ void PackWeight(const float* w, int64_t n, int64_t k, int64_t tile_begin, int64_
 /// reading its lines first: call PackedStoreFence before another thread may read it.
 void PackTileRows(const float* const* rows, int64_t n, int64_t k, int64_t tile, float* packed);
 
-/// The portable implementations of PackWeight and PackTileRows (GCC vector extensions, cloned for
-/// AVX-512 / AVX+FMA / baseline). PackWeight and PackTileRows run an AVX-512 intrinsics path
-/// instead where the CPU has AVX-512F (~2.5x faster); both write the same bits. Exposed for tests
-/// that compare the two.
+/// The implementations PackWeight and PackTileRows choose from, by CPU only; all write the same
+/// bits. Portable: GCC vector extensions, cloned for AVX-512 / AVX+FMA / baseline; run where the
+/// CPU has neither AVX-512F nor AVX2. Avx2: 8 x 8 transposes in AVX2 intrinsics; run where the CPU
+/// has AVX2 but not AVX-512F (~2x faster than the portable code's AVX2 clone, which spills its
+/// 16 x 16 transpose). Call the Avx2 ones only where the CPU has AVX2. Where it has AVX-512F,
+/// PackWeight and PackTileRows run a third path (AVX-512 intrinsics, ~2.5x faster than the
+/// portable code there). Exposed for tests that compare them.
 namespace detail {
 void PackWeightPortable(const float* w, int64_t n, int64_t k, int64_t tile_begin, int64_t tile_end, float* packed);
 void PackTileRowsPortable(const float* const* rows, int64_t n, int64_t k, int64_t tile, float* packed);
+void PackWeightAvx2(const float* w, int64_t n, int64_t k, int64_t tile_begin, int64_t tile_end, float* packed);
+void PackTileRowsAvx2(const float* const* rows, int64_t n, int64_t k, int64_t tile, float* packed);
 }  // namespace detail
 
 /// Orders PackTileRows' non-temporal stores before every later store of the calling thread

@@ -178,12 +178,15 @@ TEST(CpuGemmTest, StreamedOutputEqualsOrdinaryStores) {
   }
 }
 
-// Packing has an AVX-512 intrinsics path (taken on CPUs with AVX-512F) and the portable one; both
-// must write the layout's definition, packed[(p * k + kk) * 16 + l] = w[p * 16 + l, kk] (zero
-// past row n), bit for bit, into aligned (non-temporal stores) and unaligned buffers.
+// Packing has an AVX-512 intrinsics path (taken on CPUs with AVX-512F), an AVX2 one (CPUs with AVX2
+// but no AVX-512F) and the portable one; each must write the layout's definition,
+// packed[(p * k + kk) * 16 + l] = w[p * 16 + l, kk] (zero past row n), bit for bit, into aligned
+// (non-temporal stores) and unaligned buffers. Shapes around the AVX2 path's 8-step k blocks and
+// 8-row half panels (k = 7, 8, 9, 15, 17; n not a multiple of 8).
 TEST(CpuPackTest, BothPathsWriteTheDefinedLayout) {
   for (const auto& [n, k] : std::vector<std::pair<int64_t, int64_t>>{
-           {1, 1}, {16, 16}, {31, 17}, {32, 48}, {70, 20}, {100, 64}, {288, 288}, {40, 15}}) {
+           {1, 1}, {16, 16}, {31, 17}, {32, 48}, {70, 20}, {100, 64}, {288, 288}, {40, 15}, {13, 7}, {45, 8}, {5, 9},
+           {21, 23}}) {
     SCOPED_TRACE(std::to_string(n) + " x " + std::to_string(k));
     const auto w = Random(n * k, static_cast<uint32_t>(n * 7 + k));
     const int64_t size = PackedSize(n, k);
@@ -201,15 +204,18 @@ TEST(CpuPackTest, BothPathsWriteTheDefinedLayout) {
     while (reinterpret_cast<uintptr_t>(aligned) % 64 != 0) ++aligned;
     for (float* out : {aligned, aligned + 1}) {
       const char* where = out == aligned ? "aligned" : "unaligned";
-      for (int path = 0; path < 4; ++path) {
+      const int paths = __builtin_cpu_supports("avx2") ? 6 : 4;
+      for (int path = 0; path < paths; ++path) {
         std::fill(buffer.begin(), buffer.end(), -1.0f);
         if (path == 0) PackWeight(w.data(), n, k, 0, NumColumnTiles(n), out);
         if (path == 1) detail::PackWeightPortable(w.data(), n, k, 0, NumColumnTiles(n), out);
-        for (int64_t t = 0; t < NumColumnTiles(n) && path >= 2; ++t) {
+        if (path == 4) detail::PackWeightAvx2(w.data(), n, k, 0, NumColumnTiles(n), out);
+        for (int64_t t = 0; t < NumColumnTiles(n) && (path == 2 || path == 3 || path == 5); ++t) {
           const float* rows[kTileCols] = {};
           for (int64_t r = t * kTileCols; r < std::min(n, (t + 1) * kTileCols); ++r) rows[r - t * kTileCols] = &w[r * k];
           if (path == 2) PackTileRows(rows, n, k, t, out);
           if (path == 3) detail::PackTileRowsPortable(rows, n, k, t, out);
+          if (path == 5) detail::PackTileRowsAvx2(rows, n, k, t, out);
         }
         PackedStoreFence();
         ASSERT_EQ(std::memcmp(out, expected.data(), sizeof(float) * size), 0) << where << ", path " << path;
