@@ -114,7 +114,65 @@ __attribute__((target("avx512f"))) size_t StreamLinesFindingNonFiniteAvx512(uint
   *nonfinite = any != 0;
   return i;
 }
+
+/// StreamLinesAvx512 for CPUs with AVX2 but no AVX-512F: two 32-byte non-temporal stores per line.
+__attribute__((target("avx2"))) size_t StreamLinesAvx2(uint8_t* dst, const uint8_t* src, size_t n) {
+  size_t i = 0;
+  for (; i + 64 <= n; i += 64) {
+    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i));
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i + 32));
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i), a);
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i + 32), b);
+  }
+  return i;
+}
+
+/// StreamLinesFindingNonFiniteAvx512 for CPUs with AVX2 but no AVX-512F (the same exponent test on
+/// two 32-byte halves of each line).
+__attribute__((target("avx2"))) size_t StreamLinesFindingNonFiniteAvx2(uint8_t* dst, const uint8_t* src, size_t n,
+                                                                        bool* nonfinite) {
+  const __m256i exponent = _mm256_set1_epi32(0x7f800000);
+  __m256i any = _mm256_setzero_si256();
+  size_t i = 0;
+  for (; i + 64 <= n; i += 64) {
+    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i));
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i + 32));
+    any = _mm256_or_si256(any, _mm256_cmpeq_epi32(_mm256_and_si256(a, exponent), exponent));
+    any = _mm256_or_si256(any, _mm256_cmpeq_epi32(_mm256_and_si256(b, exponent), exponent));
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i), a);
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i + 32), b);
+  }
+  *nonfinite = !_mm256_testz_si256(any, any);
+  return i;
+}
+
 #endif
+
+/// The line loops StreamingCopy and StreamingCopyFindsNonFinite run (null: the SSE2 loop, and copy
+/// then scan), chosen once by CPU: AVX-512F, else AVX2, else none; or forced by a test.
+struct StreamLines {
+  const char* name;
+  size_t (*copy)(uint8_t* dst, const uint8_t* src, size_t n);
+  size_t (*copy_finding_nonfinite)(uint8_t* dst, const uint8_t* src, size_t n, bool* nonfinite);
+};
+#if defined(__SSE2__)
+constexpr StreamLines kAvx512Lines{"avx512", StreamLinesAvx512, StreamLinesFindingNonFiniteAvx512};
+constexpr StreamLines kAvx2Lines{"avx2", StreamLinesAvx2, StreamLinesFindingNonFiniteAvx2};
+#endif
+constexpr StreamLines kSse2Lines{"sse2", nullptr, nullptr};
+std::atomic<const StreamLines*> forced_lines{nullptr};
+
+const StreamLines& ChooseStreamLines() {
+  if (const StreamLines* forced = forced_lines.load(std::memory_order_relaxed)) return *forced;
+#if defined(__SSE2__)
+  static const StreamLines& chosen = __builtin_cpu_supports("avx512f") ? kAvx512Lines
+                                     : __builtin_cpu_supports("avx2")  ? kAvx2Lines
+                                                                       : kSse2Lines;
+  return chosen;
+#else
+  return kSse2Lines;
+#endif
+}
 
 /// memcpy with non-temporal stores where the destination is 16-byte aligned: the staged bytes
 /// go to memory without first reading the destination lines into the cache (and without
@@ -123,11 +181,11 @@ __attribute__((target("avx512f"))) size_t StreamLinesFindingNonFiniteAvx512(uint
 void StreamingCopy(uint8_t* dst, const uint8_t* src, size_t n) {
 #if defined(__SSE2__)
   constexpr size_t kMinBytes = 4096;  // below it a plain memcpy is as fast
-  static const bool avx512 = __builtin_cpu_supports("avx512f");
-  if (n >= kMinBytes && avx512) {
+  const StreamLines& lines = ChooseStreamLines();
+  if (n >= kMinBytes && lines.copy != nullptr) {
     const size_t head = (64 - (reinterpret_cast<uintptr_t>(dst) & 63)) & 63;
     std::memcpy(dst, src, head);
-    const size_t done = head + StreamLinesAvx512(dst + head, src + head, n - head);
+    const size_t done = head + lines.copy(dst + head, src + head, n - head);
     std::memcpy(dst + done, src + done, n - done);
     return;
   }
@@ -159,13 +217,13 @@ void StreamingCopy(uint8_t* dst, const uint8_t* src, size_t n) {
 /// start multiples of 4) that returns whether any of them is NaN or inf, checked as copied.
 bool StreamingCopyFindsNonFinite(uint8_t* dst, const uint8_t* src, size_t n) {
 #if defined(__SSE2__)
-  static const bool avx512 = __builtin_cpu_supports("avx512f");
-  if (n >= 4096 && avx512 && reinterpret_cast<uintptr_t>(dst) % sizeof(float) == 0) {
+  const StreamLines& lines = ChooseStreamLines();
+  if (n >= 4096 && lines.copy_finding_nonfinite != nullptr && reinterpret_cast<uintptr_t>(dst) % sizeof(float) == 0) {
     const size_t head = (64 - (reinterpret_cast<uintptr_t>(dst) & 63)) & 63;  // a multiple of 4
     std::memcpy(dst, src, head);
     bool nonfinite = FirstNonFinite(src, head / sizeof(float)) != kNoElement;
     bool lines_nonfinite = false;
-    const size_t done = head + StreamLinesFindingNonFiniteAvx512(dst + head, src + head, n - head, &lines_nonfinite);
+    const size_t done = head + lines.copy_finding_nonfinite(dst + head, src + head, n - head, &lines_nonfinite);
     std::memcpy(dst + done, src + done, n - done);
     return nonfinite || lines_nonfinite || FirstNonFinite(src + done, (n - done) / sizeof(float)) != kNoElement;
   }
@@ -769,6 +827,23 @@ size_t WeightUpdateStaging::staging_bytes() const {
   size_t num_bytes = 0;
   for (const Slot& slot : slots_) num_bytes += slot.values.capacity() * sizeof(float) + slot.raw.capacity();
   return num_bytes;
+}
+
+const char* StagingCopyPath() { return ChooseStreamLines().name; }
+
+bool detail::ForceStagingCopyPathForTesting(const std::string& name) {
+  if (name.empty()) {
+    forced_lines.store(nullptr);
+    return true;
+  }
+  const StreamLines* lines = name == "sse2" ? &kSse2Lines : nullptr;
+#if defined(__SSE2__)
+  if (name == "avx2" && __builtin_cpu_supports("avx2")) lines = &kAvx2Lines;
+  if (name == "avx512" && __builtin_cpu_supports("avx512f")) lines = &kAvx512Lines;
+#endif
+  if (lines == nullptr) return false;
+  forced_lines.store(lines);
+  return true;
 }
 
 }  // namespace vroll::policy

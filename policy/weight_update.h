@@ -472,4 +472,18 @@ class WeightUpdateStaging {
   StagingObserver* observer_ = nullptr;  // borrowed, see SetObserver
 };
 
+/// How received fp32 bytes are copied into the staging buffer (non-temporal stores) and checked
+/// for NaN/inf: "avx512" or "avx2" (checked in the copy's registers), or "sse2" (copied, then
+/// scanned in a second pass). Chosen once by CPU; the staged bytes and the first non-finite
+/// element found do not depend on it. For logs and tests.
+const char* StagingCopyPath();
+
+namespace detail {
+/// Makes staging copies started afterwards use the named path ("sse2", "avx2", "avx512"), or the
+/// CPU's choice again for "". Returns false (and changes nothing) for a path this CPU cannot run
+/// or an unknown name. Not for use while a staging copy runs on another thread. For tests that
+/// compare the paths.
+bool ForceStagingCopyPathForTesting(const std::string& name);
+}  // namespace detail
+
 }  // namespace vroll::policy

@@ -358,15 +358,44 @@ void ExpectVerifiedEquals(const WeightUpdateStaging& staging, const std::vector<
   }
 }
 
-// Writes of 4 KiB and more are staged with non-temporal stores (64-byte ones on AVX-512 CPUs,
-// after a head copied up to the destination's next 64-byte boundary, and a tail copy): chunks of
-// 4-20 KiB at every alignment, in order and shuffled, every dtype, must stage the exact values.
+/// The staging copy paths this CPU can run ("avx512", "avx2", "sse2"; see StagingCopyPath).
+std::vector<std::string> StagingCopyPathsOfThisCpu() {
+  std::vector<std::string> paths;
+  for (const char* path : {"avx512", "avx2", "sse2"}) {
+    if (detail::ForceStagingCopyPathForTesting(path)) paths.push_back(path);
+  }
+  detail::ForceStagingCopyPathForTesting("");
+  return paths;
+}
+
+/// Forces a staging copy path for the scope of a test body.
+struct ScopedStagingCopyPath {
+  explicit ScopedStagingCopyPath(const std::string& path) { EXPECT_TRUE(detail::ForceStagingCopyPathForTesting(path)); }
+  ~ScopedStagingCopyPath() { detail::ForceStagingCopyPathForTesting(""); }
+};
+
+TEST(WeightUpdateStagingCopyPathTest, TheCpuChoiceIsTheWidestPathItRuns) {
+  const std::vector<std::string> paths = StagingCopyPathsOfThisCpu();
+  ASSERT_FALSE(paths.empty());
+  EXPECT_EQ(paths.back(), "sse2");
+  EXPECT_EQ(StagingCopyPath(), paths.front());
+  EXPECT_FALSE(detail::ForceStagingCopyPathForTesting("avx1024"));
+  EXPECT_EQ(StagingCopyPath(), paths.front());
+}
+
+// Writes of 4 KiB and more are staged with non-temporal stores (64-byte ones on AVX-512 CPUs, two
+// 32-byte ones on AVX2 CPUs, after a head copied up to the destination's next 64-byte boundary,
+// and a tail copy; 16-byte ones after a 16-byte head elsewhere): chunks of 4-20 KiB at every
+// alignment, in order and shuffled, every dtype, must stage the exact values, on every path this
+// CPU runs.
 TEST(WeightUpdateStagingLargeWritesTest, LargeWritesAtEveryAlignmentStageTheExactValues) {
   const std::vector<ParamSpec> params = {{kEmbed, {3001, 7}}, {kNorm, {7}}, {kDown, {7, 2999}}};
   WeightUpdateStaging staging(params);
   std::mt19937_64 rng(5);
+  for (const std::string& path : StagingCopyPathsOfThisCpu())
   for (int trial = 0; trial < 8; ++trial) {
-    SCOPED_TRACE("trial " + std::to_string(trial));
+    SCOPED_TRACE("path " + path + ", trial " + std::to_string(trial));
+    const ScopedStagingCopyPath forced(path);
     const std::vector<SourceTensor> sources = RandomSources(params, rng);
     const PolicyVersion version = 1 + trial;
     const UpdateStatus begun = staging.Begin(ManifestFor(version, sources), version - 1);
@@ -783,13 +812,16 @@ TEST_P(WeightUpdateHashOnArrivalTest, FirstNonFiniteElementIsFoundAcrossChunkAnd
   // lines; the head and tail (memcpy) parts depend on the staging buffer's alignment mod 64, and
   // for each of the four 16-byte alignments 16385 lands in the first chunk's tail and 0 or 16390
   // in a head. A second non-finite value 40000 elements later (where it fits) must not be the one
-  // reported, whichever chunk arrives first.
+  // reported, whichever chunk arrives first. On every staging copy path this CPU runs.
   const std::vector<std::pair<size_t, std::vector<uint64_t>>> cases = {
       {100003, {0, 25000, 32767, 32768, 301 * 1001 - 1}},
       {65548, {0, 1000, 16385, 16390, 301 * 1001 - 1}},
   };
+  for (const std::string& path : StagingCopyPathsOfThisCpu())
   for (const auto& [chunk_bytes, elements] : cases)
   for (const uint64_t element : elements) {
+    SCOPED_TRACE("staging copy path " + path);
+    const ScopedStagingCopyPath forced(path);
     for (const uint32_t bits : {0x7fc00000u, 0xff800000u, 0x7f800001u}) {  // NaN, -inf, signalling NaN
       std::vector<SourceTensor> sources;
       for (const ParamSpec& param : staging_.params()) sources.push_back(RandomSource(param, DType::kF32, rng_));
@@ -815,6 +847,7 @@ TEST_P(WeightUpdateHashOnArrivalTest, FirstNonFiniteElementIsFoundAcrossChunkAnd
         EXPECT_EQ(t.first_nonfinite, t.param->name == embed.name ? std::optional<uint64_t>(element) : std::nullopt)
             << t.param->name << " element " << element << " bits " << bits << " chunks of " << chunk_bytes;
       }
+      ASSERT_NO_FATAL_FAILURE(ExpectVerifiedEquals(staging_, sources));  // NaN payloads too
       staging_.Finish();
     }
   }
