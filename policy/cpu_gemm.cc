@@ -273,19 +273,29 @@ __attribute__((target("avx2"))) void PackPanelAvx2(const float* const* rows, int
   constexpr int kStep = 8;
   const bool stream = kStream && reinterpret_cast<uintptr_t>(dst) % 64 == 0;
   int64_t kk = 0;
+  alignas(32) float low[kStep][kStep];  // rows 0-7 of the block, transposed (L1; AVX2 has 16 registers)
   for (; kk + kStep <= k; kk += kStep) {
-    for (int half = 0; half < 2; ++half) {
-      __m256 v[kStep];
-      for (int l = 0; l < kStep; ++l) {
-        const float* row = rows[half * kStep + l];
-        v[l] = row != nullptr ? _mm256_loadu_ps(row + kk) : _mm256_setzero_ps();
+    __m256 v[kStep];
+    for (int l = 0; l < kStep; ++l) v[l] = rows[l] != nullptr ? _mm256_loadu_ps(rows[l] + kk) : _mm256_setzero_ps();
+    Transpose8Avx2(v);
+    for (int c = 0; c < kStep; ++c) _mm256_store_ps(low[c], v[c]);
+    for (int l = 0; l < kStep; ++l) {
+      const float* row = rows[kStep + l];
+      v[l] = row != nullptr ? _mm256_loadu_ps(row + kk) : _mm256_setzero_ps();
+    }
+    Transpose8Avx2(v);
+    // Each 64-byte line whole, its two halves one after the other: a non-temporal store of part of
+    // a line holds a write-combining buffer until the rest comes (8 half lines in flight stalled).
+    float* out = dst + kk * kPanel;
+    if (stream) {
+      for (int c = 0; c < kStep; ++c) {
+        _mm256_stream_ps(out + c * kPanel, _mm256_load_ps(low[c]));
+        _mm256_stream_ps(out + c * kPanel + kStep, v[c]);
       }
-      Transpose8Avx2(v);
-      float* out = dst + kk * kPanel + half * kStep;
-      if (stream) {
-        for (int c = 0; c < kStep; ++c) _mm256_stream_ps(out + c * kPanel, v[c]);
-      } else {
-        for (int c = 0; c < kStep; ++c) _mm256_storeu_ps(out + c * kPanel, v[c]);
+    } else {
+      for (int c = 0; c < kStep; ++c) {
+        _mm256_storeu_ps(out + c * kPanel, _mm256_load_ps(low[c]));
+        _mm256_storeu_ps(out + c * kPanel + kStep, v[c]);
       }
     }
   }
