@@ -4,7 +4,7 @@
 
 #include "cache/attention_kernel.h"
 
-#include <immintrin.h>  // F16C conversion in the target("avx512f") function only
+#include <immintrin.h>  // F16C conversions, in target("avx512f") and target("avx2,f16c") functions only
 
 #include <algorithm>
 #include <cmath>
@@ -619,23 +619,69 @@ __attribute__((target("avx512f"))) void Float16ToFloatAvx512(const uint16_t* in,
   }
 }
 
-/// Whether float16 converts with Float16ToFloatAvx512 (decided once, by CPU feature). Off in the
-/// test builds of one ISA variant (tests/support/kernel_isa_build.cc), which test the integer path.
-bool Float16WithAvx512() {
+/// Float16ToFloatAvx512 for CPUs with F16C and AVX2 but no AVX-512F (AMD Zen 2/3, Intel client
+/// chips): VCVTPH2PS on 8 values, two per iteration. Without it a 16-bit cache's attention there
+/// ran at ~60% of the fp32 cache's tokens/s (AMD EPYC Zen 3, batch 64: 1267 vs 2137).
+__attribute__((target("avx2,f16c"))) void Float16ToFloatF16c(const uint16_t* in, int64_t n, float* dst) {
+  const __m128i magnitude = _mm_set1_epi16(0x7fff), inf = _mm_set1_epi16(0x7c00);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(in + i));
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(in + i + 8));
+    const __m128i nan = _mm_or_si128(_mm_cmpgt_epi16(_mm_and_si128(a, magnitude), inf),
+                                     _mm_cmpgt_epi16(_mm_and_si128(b, magnitude), inf));
+    if (_mm_movemask_epi8(nan) == 0) {
+      _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(a));
+      _mm256_storeu_ps(dst + i + 8, _mm256_cvtph_ps(b));
+      continue;
+    }
+    for (int64_t j = i; j < i + 16; ++j) {
+      const uint32_t bits = Float16Bits(in[j]);
+      std::memcpy(dst + j, &bits, sizeof(bits));
+    }
+  }
+  for (; i < n; ++i) {
+    const uint32_t bits = Float16Bits(in[i]);
+    std::memcpy(dst + i, &bits, sizeof(bits));
+  }
+}
+
+/// How float16 converts (decided once, by CPU feature). The integer path only in the test builds
+/// of one ISA variant (tests/support/kernel_isa_build.cc), which test it.
+enum class Float16Path { kAvx512, kF16c, kInteger };
+Float16Path ChooseFloat16Path() {
 #ifdef VROLL_ISA_VARIANT
-  return false;
+  return Float16Path::kInteger;
 #else
-  static const bool avx512 = __builtin_cpu_supports("avx512f");
-  return avx512;
+  static const Float16Path path =
+      __builtin_cpu_supports("avx512f")                                      ? Float16Path::kAvx512
+      : __builtin_cpu_supports("f16c") && __builtin_cpu_supports("avx2") ? Float16Path::kF16c
+                                                                             : Float16Path::kInteger;
+  return path;
 #endif
 }
 
 }  // namespace
 
+#ifndef VROLL_ISA_VARIANT
+void detail::ConvertFloat16ToFloatF16c(const void* src, int64_t n, float* dst) {
+  Float16ToFloatF16c(static_cast<const uint16_t*>(src), n, dst);
+}
+#endif
+
 VROLL_KERNEL_CLONES
 void ConvertKvToFloat(KvCacheDtype dtype, const void* src, int64_t n, float* dst) {
   const uint16_t* in = static_cast<const uint16_t*>(src);
-  if (dtype == KvCacheDtype::kFloat16 && Float16WithAvx512()) return Float16ToFloatAvx512(in, n, dst);
+  if (dtype == KvCacheDtype::kFloat16) {
+    switch (ChooseFloat16Path()) {
+      case Float16Path::kAvx512:
+        return Float16ToFloatAvx512(in, n, dst);
+      case Float16Path::kF16c:
+        return Float16ToFloatF16c(in, n, dst);
+      case Float16Path::kInteger:
+        break;
+    }
+  }
   int64_t i = 0;
   switch (dtype) {
     case KvCacheDtype::kFloat16:

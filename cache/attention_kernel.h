@@ -54,10 +54,17 @@ void AttendTokens(const TokenRow* rows, int num_rows, int shared_keys, int n_kv,
 
 /// dst[i] = the fp32 value of element i of `src` (n elements of `dtype`, cache_types.h): exact
 /// for every float16 and bfloat16 bit pattern (subnormals, inf, NaN), with integer vector
-/// operations in every ISA clone, except float16 on CPUs with AVX-512F: the hardware conversion
-/// (VCVTPH2PS; same values, NaN payloads kept). PagedKvCache reads a 16-bit cache's blocks through it into
-/// fp32 scratch that AttendTokens then attends over.
+/// operations in every ISA clone, except float16 on CPUs with AVX-512F, or F16C and AVX2: the
+/// hardware conversion (VCVTPH2PS; same values, NaN payloads kept). PagedKvCache reads a 16-bit
+/// cache's blocks through it into fp32 scratch that AttendTokens then attends over.
 void ConvertKvToFloat(KvCacheDtype dtype, const void* src, int64_t n, float* dst);
+
+namespace detail {
+/// ConvertKvToFloat's float16 path for CPUs with F16C and AVX2 but no AVX-512F (`src`: n float16
+/// values). Call it only where the CPU has F16C and AVX2. Exposed for tests, which run it on any
+/// such CPU.
+void ConvertFloat16ToFloatF16c(const void* src, int64_t n, float* dst);
+}  // namespace detail
 
 /// AttendTokens of one row (no shared keys). scores: n_kv * group * num_keys floats at least.
 void AttendToken(const float* q, int n_kv, int group, int head_dim, int num_keys, int block_size,

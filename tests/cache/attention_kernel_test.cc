@@ -192,6 +192,12 @@ std::vector<std::pair<std::string, void (*)(KvCacheDtype, const void*, int64_t, 
   for (const testing::KernelVariant& variant : testing::KernelVariants()) {
     if (variant.supported) out.emplace_back(variant.name, variant.convert_kv_to_float);
   }
+  if (__builtin_cpu_supports("f16c") && __builtin_cpu_supports("avx2")) {  // float16 with F16C, bfloat16 as here
+    out.emplace_back("F16C", [](KvCacheDtype dtype, const void* src, int64_t n, float* dst) {
+      if (dtype != KvCacheDtype::kFloat16) return ConvertKvToFloat(dtype, src, n, dst);
+      detail::ConvertFloat16ToFloatF16c(src, n, dst);
+    });
+  }
   return out;
 }
 
