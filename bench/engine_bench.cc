@@ -5,7 +5,9 @@
 // matplotlib).
 //
 //   vroll_engine_bench [--shared ../shared] [--batches 1,4,16,64,256] [--new-tokens 128]
-//                      [--out bench/results] [--quick]
+//                      [--out bench/results] [--quick] [--plain-c PATH|none]
+// After the 15M-shape GRPO workload it runs the plain C single-stream baseline
+// (bench/plain_c_baseline.c, built beside it) and prints the GRPO rate as a multiple of it.
 
 #include <algorithm>
 #include <chrono>
@@ -118,6 +120,27 @@ RunResult Run(const Checkpoint& ckpt, const EngineConfig& config, const std::vec
   return r;
 }
 
+/// Single-stream tokens/s of the plain C baseline (plain_c_baseline.c) on a random model of the
+/// stories15M shape: the best of `runs` runs (the baseline's best, so the ratio is conservative),
+/// with OpenMP's default wait policy (this process's spinning settings removed). 0 if the program
+/// is missing or prints no rate.
+double MeasurePlainC(const std::string& program, int runs) {
+  if (!std::filesystem::exists(program)) return 0;
+  double best = 0;
+  for (int i = 0; i < runs; ++i) {
+    const std::string cmd = "env -u OMP_WAIT_POLICY -u GOMP_SPINCOUNT '" + program + "' --random-15m";
+    FILE* pipe = popen(cmd.c_str(), "r");
+    if (pipe == nullptr) return 0;
+    char line[512];
+    while (std::fgets(line, sizeof(line), pipe) != nullptr) {
+      double tps = 0;
+      if (std::sscanf(line, "plain C single stream: %*d steps, %lf tokens/s", &tps) == 1) best = std::max(best, tps);
+    }
+    pclose(pipe);
+  }
+  return best;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -135,6 +158,11 @@ int main(int argc, char** argv) {
   app.add_option("--only", only, "run only models whose name contains this (e.g. 15M)");
   app.add_flag("--skip-grpo", skip_grpo, "skip the GRPO workload");
   app.add_flag("--plot", plot, "write a PNG with matplotlib (Debian's /usr/bin/python3)");
+  std::string plain_c = (std::filesystem::path(argv[0]).parent_path() / "vroll_plain_c_baseline").string();
+  app.add_option("--plain-c", plain_c,
+                 "the plain C baseline program, run after the 15M-shape GRPO workload for issue 4's target "
+                 "(\"none\": skip)")
+      ->capture_default_str();
   std::string kv_cache_dtype = "float32";
   app.add_option("--kv-cache-dtype", kv_cache_dtype, "KV cache element type: float32, float16 or bfloat16")
       ->capture_default_str();
@@ -271,6 +299,18 @@ int main(int argc, char** argv) {
                 st.peak_used_blocks, row.r.seconds);
     std::printf("|   time split | schedule %.2fs, forward %.2fs, sample %.2fs, commit %.2fs of %.2fs in steps | | | | | |\n",
                 st.schedule_seconds, st.forward_seconds, st.sample_seconds, st.commit_seconds, st.busy_seconds);
+  }
+  for (const GrpoRow& row : grpo_rows) {
+    if (row.model.find("15M") == std::string::npos || plain_c == "none") continue;
+    std::fprintf(stderr, "running the plain C baseline (%s --random-15m, 3 runs)\n", plain_c.c_str());
+    const double plain_tps = MeasurePlainC(plain_c, 3);
+    if (plain_tps <= 0) {
+      std::printf("\nplain C baseline: not run (%s missing or failed)\n", plain_c.c_str());
+      continue;
+    }
+    std::printf("\nplain C single stream, same shape, -Ofast -march=native, OpenMP (plain_c_baseline.c, best of 3): "
+                "%.0f tokens/s; the 15M-shape GRPO workload is %.1fx that (issue 4's target: at least 8x)\n",
+                plain_tps, row.tps / plain_tps);
   }
   std::fflush(stdout);
   if (plot) {
