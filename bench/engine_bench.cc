@@ -128,7 +128,10 @@ double MeasurePlainC(const std::string& program, int runs) {
   if (!std::filesystem::exists(program)) return 0;
   double best = 0;
   for (int i = 0; i < runs; ++i) {
-    const std::string cmd = "env -u OMP_WAIT_POLICY -u GOMP_SPINCOUNT '" + program + "' --random-15m";
+    std::string quoted = "'";  // the path in single quotes for the shell, each ' as '\''
+    for (char ch : program) quoted += ch == '\'' ? std::string("'\\''") : std::string(1, ch);
+    quoted += "'";
+    const std::string cmd = "env -u OMP_WAIT_POLICY -u GOMP_SPINCOUNT " + quoted + " --random-15m";
     FILE* pipe = popen(cmd.c_str(), "r");
     if (pipe == nullptr) return 0;
     char line[512];

@@ -46,9 +46,40 @@ static void *xmalloc(size_t bytes) {
   return p;
 }
 
-/* Points the weights into `data` (the checkpoint's floats after the header), in file order. */
-static size_t map_weights(const Config *c, float *data, Weights *w) {
-  const size_t head_size = (size_t)c->dim / c->n_heads, kv_dim = (size_t)c->dim * c->n_kv_heads / c->n_heads;
+/* a * b and a + b, or 0 (with *ok cleared) when the result does not fit a size_t. */
+static size_t mul(size_t a, size_t b, int *ok) {
+  size_t r;
+  if (__builtin_mul_overflow(a, b, &r)) *ok = 0;
+  return *ok ? r : 0;
+}
+static size_t add(size_t a, size_t b, int *ok) {
+  size_t r;
+  if (__builtin_add_overflow(a, b, &r)) *ok = 0;
+  return *ok ? r : 0;
+}
+
+/* The number of floats after the header, in file order (as map_weights lays them out); 0 when it
+ * does not fit a size_t. */
+static size_t weight_floats(const Config *c) {
+  const size_t head_size = (size_t)c->dim / c->n_heads, kv_dim = (size_t)c->dim / c->n_heads * c->n_kv_heads;
+  const size_t L = (size_t)c->n_layers, dim = (size_t)c->dim, hidden = (size_t)c->hidden_dim;
+  int ok = 1;
+  size_t n = mul(c->vocab_size, dim, &ok);                                  /* token_embedding */
+  n = add(n, mul(L, dim, &ok), &ok);                                        /* rms_att */
+  n = add(n, mul(mul(L, dim, &ok), dim, &ok), &ok);                         /* wq */
+  n = add(n, mul(mul(mul(L, kv_dim, &ok), dim, &ok), 2, &ok), &ok);         /* wk, wv */
+  n = add(n, mul(mul(L, dim, &ok), dim, &ok), &ok);                         /* wo */
+  n = add(n, mul(L, dim, &ok), &ok);                                        /* rms_ffn */
+  n = add(n, mul(mul(mul(L, hidden, &ok), dim, &ok), 3, &ok), &ok);         /* w1, w2, w3 */
+  n = add(n, dim, &ok);                                                     /* rms_final */
+  n = add(n, mul(c->seq_len, head_size, &ok), &ok);                         /* freq_cis_real, _imag */
+  if (!c->shared_classifier) n = add(n, mul(c->vocab_size, dim, &ok), &ok); /* wcls */
+  return ok && n < SIZE_MAX / sizeof(float) ? n : 0;
+}
+
+/* Points the weights into `data` (weight_floats(c) floats after the header), in file order. */
+static void map_weights(const Config *c, float *data, Weights *w) {
+  const size_t head_size = (size_t)c->dim / c->n_heads, kv_dim = (size_t)c->dim / c->n_heads * c->n_kv_heads;
   const size_t L = (size_t)c->n_layers, dim = (size_t)c->dim, hidden = (size_t)c->hidden_dim;
   float *p = data;
   w->token_embedding = p; p += (size_t)c->vocab_size * dim;
@@ -64,8 +95,6 @@ static size_t map_weights(const Config *c, float *data, Weights *w) {
   w->rms_final = p; p += dim;
   p += (size_t)c->seq_len * head_size;  /* freq_cis_real and freq_cis_imag: unused */
   w->wcls = c->shared_classifier ? w->token_embedding : p;
-  if (!c->shared_classifier) p += (size_t)c->vocab_size * dim;
-  return (size_t)(p - data);
 }
 
 static void rmsnorm(float *out, const float *x, const float *weight, int n) {
@@ -100,7 +129,7 @@ static void matmul(float *y, const float *x, const float *w, int n, int d) {
 
 static float *forward(const Config *c, const Weights *w, State *s, int token, int pos) {
   const int dim = c->dim, hidden = c->hidden_dim, head_size = dim / c->n_heads;
-  const int kv_dim = dim * c->n_kv_heads / c->n_heads, group = c->n_heads / c->n_kv_heads;
+  const int kv_dim = dim / c->n_heads * c->n_kv_heads, group = c->n_heads / c->n_kv_heads;
   memcpy(s->x, w->token_embedding + (size_t)token * dim, sizeof(float) * dim);
   for (int l = 0; l < c->n_layers; l++) {
     const size_t cache_row = (size_t)l * c->seq_len * kv_dim;
@@ -195,8 +224,7 @@ int main(int argc, char **argv) {
   float *data;
   if (random_15m) {
     c = (Config){288, 768, 6, 6, 6, 32000, 256, 1};
-    Weights probe;
-    const size_t n = map_weights(&c, NULL, &probe);
+    const size_t n = weight_floats(&c);
     data = xmalloc(sizeof(float) * n);
     uint64_t state = 0x9e3779b97f4a7c15ull;  /* xorshift64: values in [-0.05, 0.05) */
     for (size_t i = 0; i < n; i++) {
@@ -214,26 +242,46 @@ int main(int argc, char **argv) {
       fprintf(stderr, "plain_c_baseline: %s: shorter than the 28-byte header\n", model);
       return 1;
     }
-    c = (Config){header[0], header[1], header[2], header[3], header[4], abs(header[5]), header[6], header[5] > 0};
+    const int32_t vocab = header[5] == INT32_MIN ? 0 : header[5] < 0 ? -header[5] : header[5];
+    c = (Config){header[0], header[1], header[2], header[3], header[4], vocab, header[6], header[5] > 0};
+    /* What the forward pass needs: whole heads, GQA groups, RoPE pairs inside a head, BOS in the vocabulary. */
     if (c.dim <= 0 || c.n_heads <= 0 || c.n_kv_heads <= 0 || c.dim % c.n_heads != 0 || c.n_heads % c.n_kv_heads != 0 ||
-        c.n_layers <= 0 || c.hidden_dim <= 0 || c.vocab_size <= 0 || c.seq_len <= 0) {
-      fprintf(stderr, "plain_c_baseline: %s: not a llama2.c version 0 header\n", model);
+        (c.dim / c.n_heads) % 2 != 0 || c.n_layers <= 0 || c.hidden_dim <= 0 || c.vocab_size < 2 || c.seq_len <= 0) {
+      fprintf(stderr,
+              "plain_c_baseline: %s: not a llama2.c version 0 header this program runs (dim %d, hidden_dim %d, "
+              "n_layers %d, n_heads %d, n_kv_heads %d, vocab_size %d, seq_len %d)\n",
+              model, header[0], header[1], header[2], header[3], header[4], header[5], header[6]);
       return 1;
     }
-    Weights probe;
-    const size_t n = map_weights(&c, NULL, &probe);
+    const size_t n = weight_floats(&c);
+    if (n == 0) {
+      fprintf(stderr, "plain_c_baseline: %s: the header's sizes give more weights than memory can address\n", model);
+      return 1;
+    }
+    long file_bytes = -1;
+    if (fseek(f, 0, SEEK_END) == 0) file_bytes = ftell(f);
+    if (file_bytes < 0 || (size_t)file_bytes - sizeof(header) < n * sizeof(float) ||
+        fseek(f, (long)sizeof(header), SEEK_SET) != 0) {
+      fprintf(stderr, "plain_c_baseline: %s: %ld bytes, shorter than its header says (%zu floats of weights)\n",
+              model, file_bytes, n);
+      return 1;
+    }
     data = xmalloc(sizeof(float) * n);
     if (fread(data, sizeof(float), n, f) != n) {
-      fprintf(stderr, "plain_c_baseline: %s: shorter than its header says (%zu floats of weights)\n", model, n);
+      fprintf(stderr, "plain_c_baseline: %s: read error\n", model);
       return 1;
     }
     fclose(f);
   }
   Weights w;
   map_weights(&c, data, &w);
-  if (steps <= 0 || steps > c.seq_len) steps = c.seq_len;
+  if (steps <= 0) steps = c.seq_len;
+  if (steps > c.seq_len) {
+    fprintf(stderr, "plain_c_baseline: --steps %d is more than the model's %d positions\n", steps, c.seq_len);
+    return 2;
+  }
 
-  const int kv_dim = c.dim * c.n_kv_heads / c.n_heads;
+  const int kv_dim = c.dim / c.n_heads * c.n_kv_heads;
   State s;
   s.x = xmalloc(sizeof(float) * c.dim);
   s.xb = xmalloc(sizeof(float) * c.dim);

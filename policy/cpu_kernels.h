@@ -47,7 +47,7 @@ void PackTileRows(const float* const* rows, int64_t n, int64_t k, int64_t tile, 
 /// The implementations PackWeight and PackTileRows choose from, by CPU only; all write the same
 /// bits. Portable: GCC vector extensions, cloned for AVX-512 / AVX+FMA / baseline; run where the
 /// CPU has neither AVX-512F nor AVX2. Avx2: 8 x 8 transposes in AVX2 intrinsics; run where the CPU
-/// has AVX2 but not AVX-512F (~2x faster than the portable code's AVX2 clone, which spills its
+/// has AVX2 but not AVX-512F (~5x faster than the portable code's AVX2 clone, which spills its
 /// 16 x 16 transpose). Call the Avx2 ones only where the CPU has AVX2. Where it has AVX-512F,
 /// PackWeight and PackTileRows run a third path (AVX-512 intrinsics, ~2.5x faster than the
 /// portable code there). Exposed for tests that compare them.

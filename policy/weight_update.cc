@@ -1,7 +1,7 @@
 #include "policy/weight_update.h"
 
 #if defined(__SSE2__)
-#include <immintrin.h>  // SSE2; AVX-512 only inside target("avx512f") functions
+#include <immintrin.h>  // SSE2; AVX2 and AVX-512 only inside target("avx2") / target("avx512f") functions
 #endif
 #include <malloc.h>  // malloc_trim (glibc)
 

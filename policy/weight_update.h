@@ -474,8 +474,9 @@ class WeightUpdateStaging {
 
 /// How received fp32 bytes are copied into the staging buffer (non-temporal stores) and checked
 /// for NaN/inf: "avx512" or "avx2" (checked in the copy's registers), or "sse2" (copied, then
-/// scanned in a second pass). Chosen once by CPU; the staged bytes and the first non-finite
-/// element found do not depend on it. For logs and tests.
+/// scanned in a second pass; a plain memcpy on builds without SSE2). Chosen once by CPU unless a
+/// test forced a path (below); the staged bytes and the first non-finite element found do not
+/// depend on it. For logs and tests.
 const char* StagingCopyPath();
 
 namespace detail {
