@@ -564,9 +564,10 @@ UpdateStatus WeightUpdateStaging::Write(const std::string& name, uint64_t offset
   } else {
     written.insert(next, {begin, end});
   }
-  // Stage. When the write extends the hashed prefix, go block by block: hash (and check) the block
-  // as received, then copy it while it is still in cache; the fp32 values of the block are then
-  // final, and the observer works on them from the received (hot) bytes. fp32 blocks end on the
+  // Stage. When the write extends the hashed prefix, go block by block: copy the block as received
+  // (the first read of its bytes, often from memory: the transport's I/O thread wrote them a
+  // while ago), then hash (and check) it while it is in cache; the fp32 values of the block are
+  // then final, and the observer works on them from the received (hot) bytes. fp32 blocks end on the
   // observer's grid (StagingObserver::PrefixGrid), in bytes.
   uint8_t* staged = SourceBytes(slot);
   const uint8_t* in = static_cast<const uint8_t*>(data);
@@ -578,15 +579,15 @@ UpdateStatus WeightUpdateStaging::Write(const std::string& name, uint64_t offset
       const uint8_t* block = in + (pos - begin);
       if (fp32 && slot.first_nonfinite == kNoElement && slot.num_checked_elems * sizeof(float) == pos &&
           block_end % sizeof(float) == 0) {
-        // Whole values: hash, then check them for NaN/inf while copying.
-        HashPrefix(slot, block_end, block, /*check_finite=*/false);
+        // Whole values: check them for NaN/inf while copying, then hash them from the cache.
         if (StreamingCopyFindsNonFinite(staged + pos, block, block_end - pos)) {
           slot.first_nonfinite = pos / sizeof(float) + FirstNonFinite(block, (block_end - pos) / sizeof(float));
         }
+        HashPrefix(slot, block_end, block, /*check_finite=*/false);
         slot.num_checked_elems = block_end / sizeof(float);
       } else {
-        HashPrefix(slot, block_end, block);
         StreamingCopy(staged + pos, block, block_end - pos);
+        HashPrefix(slot, block_end, block);
       }
       if (fp32 && observer_ != nullptr) {
         // The values [num_prefix_elems, block_end / 4) lie in the received bytes unless the first
