@@ -226,7 +226,7 @@ std::string NonFiniteWeightError(const std::vector<VerifiedTensor>& verified);
 ///
 /// The final prefix of a parameter: elements [0, e) whose fp32 values lie final in its staged
 /// buffer. For an fp32 source it grows as bytes join the written prefix [0, p) (e = p / 4): block
-/// by block as an in-order write is hashed and copied, the value block then being the received
+/// by block as an in-order write is copied and hashed, the value block then being the received
 /// bytes (cache-hot); or at once when a write fills the gap before bytes written ahead (the
 /// values then read from the staged buffer). For an fp16/bf16 source it grows only when the
 /// tensor is complete, block by block as Finalize converts it (the converted block, hot).
@@ -317,9 +317,9 @@ class WeightUpdateStaging {
   /// it is refused and changes nothing. An empty write inside the range is a no-op.
   /// `data` may be null only when num_bytes == 0 (else WeightUpdateError).
   /// Hashing on arrival: the tensor's checksum is computed over its written prefix [0, p) as
-  /// that prefix grows. A write at byte p (chunks in order, what every client sends) is hashed
-  /// block by block as received (fp32 sources are also checked for NaN/inf there), each block
-  /// then copied while in cache, with non-temporal stores, and (fp32 sources) handed to the
+  /// that prefix grows. A write at byte p (chunks in order, what every client sends) is copied
+  /// block by block as received, with non-temporal stores (fp32 sources are also checked for
+  /// NaN/inf there), each block then hashed while in cache and (fp32 sources) handed to the
   /// observer (StagingObserver::OnPrefix, blocks cut on its PrefixGrid), whose work it includes;
   /// bytes written ahead of the prefix are hashed from the staged copy once the gap before them
   /// is filled. Cost: one XXH3 pass and one streaming copy of the bytes, plus O(log k + k) for k
