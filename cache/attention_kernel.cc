@@ -615,7 +615,9 @@ __attribute__((target("avx512f"))) void Float16ToFloatAvx512(const uint16_t* in,
   for (; i + 16 <= n; i += 16) {
     const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + i));
     if (_mm256_movemask_epi8(_mm256_cmpgt_epi16(_mm256_and_si256(h, magnitude), inf)) == 0) {
-      _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(h));
+      // The zero-masked form with every lane selected: the same VCVTPH2PS, whose unmasked
+      // intrinsic passes GCC 12 an undefined source operand (-Wmaybe-uninitialized in its header).
+      _mm512_storeu_ps(dst + i, _mm512_maskz_cvtph_ps(0xffff, h));
       continue;
     }
     Float16ToFloatScalar(in, i, i + 16, dst);
