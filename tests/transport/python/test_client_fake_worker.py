@@ -366,14 +366,19 @@ class GenerateIterTest(FakeWorkerTestCase):
                 self.client.push_weights(make_weights(1), version=1)
             with self.assertRaisesRegex(RuntimeError, "generate_iter"):
                 self.client.generate([[4]])
-            # Refused before anything was sent.
+            # Refused before anything was sent: each worker gets its two generates and nothing
+            # else. The generates were sent before the first result came back, but a worker may
+            # take them in later (a busy machine delayed the slow one's second past it), so wait.
             for w in self.workers:
-                self.assertEqual([t for t in w.types() if t != "generate"], [])
-                self.assertEqual(w.types().count("generate"), 2)
+                wait_until(lambda w=w: w.types().count("generate") == 2, "each worker's two generates")
+                self.assertEqual(w.types(), ["generate", "generate"])
             it.close()
             slow_ids = sorted(h["request_id"] for t, h in slow.received if t == "generate")
             self.assertEqual(len(slow_ids), 2)
             wait_until(lambda: slow.types().count("abort") == 2, "aborts of the slow worker's requests")
+            # One connection delivers in order: a message a refused call had sent would have
+            # arrived before these aborts.
+            self.assertEqual(slow.types(), ["generate", "generate", "abort", "abort"])
             self.assertEqual(sorted(h["request_id"] for t, h in slow.received if t == "abort"),
                              slow_ids)
         finally:
