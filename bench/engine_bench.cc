@@ -103,6 +103,18 @@ struct GemmReference {
   }
 };
 
+/// The "forward split" row under a "time split" row: the forward pass's parts
+/// (policy::ForwardTimes), seconds and shares of their sum.
+void PrintForwardSplit(const vroll::rollout::EngineStats& st) {
+  const vroll::policy::ForwardTimes& f = st.forward_parts;
+  const double total = f.total();
+  if (total <= 0) return;  // not the CPU forward pass
+  std::printf("|   forward split | attention %.2fs (%.0f%%), layer GEMMs %.2fs (%.0f%%), lm_head GEMM %.2fs (%.0f%%), "
+              "other %.2fs (%.0f%%) | | | | | |\n",
+              f.attention, 100 * f.attention / total, f.layer_gemms, 100 * f.layer_gemms / total, f.lm_head,
+              100 * f.lm_head / total, f.other, 100 * f.other / total);
+}
+
 struct RunResult {
   double seconds = 0;
   int64_t generated = 0;
@@ -286,6 +298,7 @@ int main(int argc, char** argv) {
     if (row.batch >= 64) {
       std::printf("|   time split | schedule %.2fs, forward %.2fs, sample %.2fs, commit %.2fs of %.2fs in steps | | | | | |\n",
                   st.schedule_seconds, st.forward_seconds, st.sample_seconds, st.commit_seconds, st.busy_seconds);
+      PrintForwardSplit(st);
     }
     csv << row.model << "," << row.batch << "," << row.tps << "," << row.gflops << "," << row.gflops / rate << "\n";
   }
@@ -302,6 +315,7 @@ int main(int argc, char** argv) {
                 st.peak_used_blocks, row.r.seconds);
     std::printf("|   time split | schedule %.2fs, forward %.2fs, sample %.2fs, commit %.2fs of %.2fs in steps | | | | | |\n",
                 st.schedule_seconds, st.forward_seconds, st.sample_seconds, st.commit_seconds, st.busy_seconds);
+    PrintForwardSplit(st);
   }
   for (const GrpoRow& row : grpo_rows) {
     if (row.model.find("15M") == std::string::npos || plain_c == "none") continue;

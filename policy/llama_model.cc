@@ -1,6 +1,7 @@
 #include "policy/llama_model.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <stdexcept>
@@ -191,12 +192,24 @@ at::Tensor LlamaModel::ForwardCpu(const ForwardBatch& batch, AttentionBackend& k
   const float* cos_table = rope_cos_.data_ptr<float>();
   const float* sin_table = rope_sin_.data_ptr<float>();
 
+  // Each part's time goes to forward_times_ as it ends (the parts tile the pass).
+  using Clock = std::chrono::steady_clock;
+  Clock::time_point mark = Clock::now();
+  auto lap = [&mark](double& part) {
+    const Clock::time_point now = Clock::now();
+    part += std::chrono::duration<double>(now - mark).count();
+    mark = now;
+  };
+  ForwardTimes& times = forward_times_;
+
   for (int64_t i = 0; i < t; ++i) std::memcpy(xp + i * dim, embed + batch.token_ids[i] * dim, sizeof(float) * dim);
   for (size_t l = 0; l < layers_.size(); ++l) {
     const Layer& layer = layers_[l];
     const float* attn_norm = layer.attn_norm.data_ptr<float>();
     ForRows(t, dim, [&](int64_t i) { kernels::RmsNormRow(xp + i * dim, attn_norm, dim, eps, hp + i * dim); });
+    lap(times.other);
     Gemm(hp, t, dim, layer.packed_qkv, qkv_dim, layer.bqkv, qkvp, qkv_dim, /*accumulate=*/false);
+    lap(times.layer_gemms);
     ForRows(t, qkv_dim, [&](int64_t i) {
       const float* row = qkvp + i * qkv_dim;
       float *qi = qp + i * q_dim, *ki = kp + i * kv_dim;
@@ -208,15 +221,22 @@ at::Tensor LlamaModel::ForwardCpu(const ForwardBatch& batch, AttentionBackend& k
       kernels::RopeRow(qi, n_heads, head_dim, c, s, interleaved);
       kernels::RopeRow(ki, n_kv, head_dim, c, s, interleaved);
     });
+    lap(times.other);
     at::Tensor attn = kv.Attend(static_cast<int>(l), q, k, v).contiguous();  // [t, n_heads, head_dim]
+    lap(times.attention);
     Gemm(attn.data_ptr<float>(), t, q_dim, layer.packed_o, dim, {}, xp, dim, /*accumulate=*/true);
+    lap(times.layer_gemms);
     const float* ffn_norm = layer.ffn_norm.data_ptr<float>();
     ForRows(t, dim, [&](int64_t i) { kernels::RmsNormRow(xp + i * dim, ffn_norm, dim, eps, hp + i * dim); });
+    lap(times.other);
     Gemm(hp, t, dim, layer.packed_gate_up, 2 * hidden, {}, gup, 2 * hidden, /*accumulate=*/false);
+    lap(times.layer_gemms);
     ForRows(t, 2 * hidden, [&](int64_t i) {
       kernels::SiluMulRow(gup + i * 2 * hidden, gup + i * 2 * hidden + hidden, hidden, actp + i * hidden);
     });
+    lap(times.other);
     Gemm(actp, t, hidden, layer.packed_down, dim, {}, xp, dim, /*accumulate=*/true);
+    lap(times.layer_gemms);
   }
 
   const int64_t num_logits = static_cast<int64_t>(batch.logits_rows.size());
@@ -240,8 +260,10 @@ at::Tensor LlamaModel::ForwardCpu(const ForwardBatch& batch, AttentionBackend& k
   }
   // The logits are written once and read next by the sampler, too many for the cache:
   // non-temporal stores (no read of each line before it is written).
+  lap(times.other);
   Gemm(lastp, num_logits, dim, packed_lm_head_, config_.vocab_size, {}, logits.data_ptr<float>(), config_.vocab_size,
        /*accumulate=*/false, /*stream_output=*/logits_bytes >= (int64_t{4} << 20));
+  lap(times.lm_head);
   return logits;
 }
 

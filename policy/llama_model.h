@@ -12,6 +12,7 @@
 #include <c10/core/Device.h>
 
 #include "policy/attention_backend.h"
+#include "policy/forward_times.h"
 #include "policy/tokenizer.h"
 #include "policy/weights.h"
 
@@ -60,6 +61,10 @@ class LlamaModel {
 
   const ModelConfig& config() const { return config_; }
   c10::Device device() const { return device_; }
+
+  /// Seconds of the CPU forward pass's parts, summed over every Forward since construction
+  /// (policy/forward_times.h); zero on other devices. Same thread rules as Forward.
+  const ForwardTimes& forward_times() const { return forward_times_; }
 
   /// Canonical (Hugging Face) name -> parameter tensor, in ExpectedWeightShapes order. The
   /// tensors alias the model's storage: copying into them changes the model, and the CPU
@@ -123,6 +128,7 @@ class LlamaModel {
   at::Tensor packed_lm_head_;  // CPU only: lm_head_ packed
   at::Tensor rope_cos_;   // [max_seq_len, head_dim / 2]
   at::Tensor rope_sin_;   // [max_seq_len, head_dim / 2]
+  mutable ForwardTimes forward_times_;  // written by ForwardCpu (Forward is const, one thread at a time)
   std::vector<Layer> layers_;
 };
 

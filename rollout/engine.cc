@@ -363,6 +363,7 @@ bool Engine::Step() {
   counters_.schedule_seconds += seconds_since(mark);
   runner_->Execute(plan, *kv_, version, config_.check_block_versions ? &kv_->block_versions() : nullptr);
   counters_.forward_seconds += seconds_since(mark);
+  counters_.forward_parts = runner_->forward_times();
   const std::vector<SamplingTarget> targets = scheduler_->PrepareSampling(plan);
   const std::vector<TokenChoice> choices = runner_->Sample(targets);
   counters_.sample_seconds += seconds_since(mark);

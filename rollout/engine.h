@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "cache/kv_cache_manager.h"
+#include "policy/forward_times.h"
 #include "policy/weight_update.h"
 #include "policy/weights.h"
 #include "rollout/request.h"
@@ -118,7 +119,8 @@ struct EngineStats {
   int64_t num_finished_samples = 0;
   double busy_seconds = 0;          ///< time spent in steps, of which:
   double schedule_seconds = 0;      ///<   scheduling (block tables, preemption, admission)
-  double forward_seconds = 0;       ///<   the model's forward pass (incl. copy-on-write copies)
+  double forward_seconds = 0;       ///<   the model's forward pass (incl. copy-on-write copies),
+  policy::ForwardTimes forward_parts;  ///<     of which these parts (CPU; zero on other devices)
   double sample_seconds = 0;        ///<   sampling (softmax, logprobs, draws)
   double commit_seconds = 0;        ///<   appending tokens, prefix-cache inserts, finishing (not delivering results)
   double tokens_per_second = 0;     ///< generated tokens / busy seconds

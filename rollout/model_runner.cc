@@ -183,6 +183,8 @@ ModelRunner::~ModelRunner() = default;
 
 const policy::ModelConfig& ModelRunner::model_config() const { return impl_->model.config(); }
 
+const policy::ForwardTimes& ModelRunner::forward_times() const { return impl_->model.forward_times(); }
+
 std::vector<policy::ParamSpec> ModelRunner::ParamSpecs() const {
   std::vector<policy::ParamSpec> specs;
   for (const auto& [name, tensor] : impl_->model.NamedParameters()) specs.push_back({name, tensor.sizes().vec()});

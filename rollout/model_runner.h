@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "cache/kv_cache_manager.h"
+#include "policy/forward_times.h"
 #include "policy/weight_update.h"
 #include "policy/weights.h"
 #include "rollout/scheduler.h"
@@ -47,6 +48,10 @@ class ModelRunner {
   ~ModelRunner();
 
   const policy::ModelConfig& model_config() const;
+
+  /// Seconds of the model's CPU forward pass by part, summed over every Execute
+  /// (policy::LlamaModel::forward_times).
+  const policy::ForwardTimes& forward_times() const;
 
   /// Performs `plan.copies`, then one forward over the plan's packed tokens, block tables from
   /// `kv`. Keeps the logits of each sampling sequence's last row for Sample().

@@ -352,6 +352,31 @@ TEST(EngineTest, GroupOfEightPrefillsItsPromptOnce) {
   for (const SampleResult& s : singles.Generate(rest)) EXPECT_EQ(s.num_cached_prompt_tokens, 32) << s.request_id;
 }
 
+TEST(EngineTest, ForwardPartsAreTimedInsideTheForwardTime) {
+  // The model times its CPU forward pass by part (policy::ForwardTimes) inside the engine's
+  // timing of the whole Execute (which adds copy-on-write copies and the step's block tables):
+  // every part runs in every step, the parts add up to no more than the forward time, and they
+  // accumulate over runs.
+  std::mt19937 rng(7);
+  Engine e(Default(), SmallConfig());
+  (void)e.Generate({MakeRequest("grpo", RandomPrompt(rng, 45, 259), 12, 1.0, 8, 99)});
+  const rollout::EngineStats first = e.stats();
+  const policy::ForwardTimes& f = first.forward_parts;
+  EXPECT_GT(f.attention, 0);
+  EXPECT_GT(f.layer_gemms, 0);
+  EXPECT_GT(f.lm_head, 0);
+  EXPECT_GT(f.other, 0);
+  EXPECT_LE(f.total(), first.forward_seconds);
+  (void)e.Generate({MakeRequest("more", RandomPrompt(rng, 20, 259), 6, 1.0, 2, 5)});
+  const rollout::EngineStats second = e.stats();
+  const policy::ForwardTimes& g = second.forward_parts;
+  EXPECT_GT(g.attention, f.attention);
+  EXPECT_GT(g.layer_gemms, f.layer_gemms);
+  EXPECT_GT(g.lm_head, f.lm_head);
+  EXPECT_GT(g.other, f.other);
+  EXPECT_LE(g.total(), second.forward_seconds);
+}
+
 TEST(EngineTest, DecodeOnlyStepsAreCountedApart) {
   // A group of 8 with 12 new tokens: the step that computes the prompt's last chunk samples the
   // first token of all 8 forks; the 11 steps after it compute no prompt token (decode only).

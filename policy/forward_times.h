@@ -1,0 +1,24 @@
+#pragma once
+// Where the CPU forward pass spends its time: wall-clock seconds of its parts, summed over calls.
+// Torch-free, so that rollout::EngineStats (and the transport code that includes it) can carry
+// them. Written by LlamaModel::ForwardCpu; read through ModelRunner into EngineStats and
+// printed by vroll_engine_bench.
+
+namespace vroll::policy {
+
+/// Seconds (std::chrono::steady_clock) of each part of LlamaModel's CPU forward pass, summed over
+/// every call since the model was built. Each part is timed on the calling thread around its
+/// parallel region, so it includes waiting for the region's other threads. The parts tile the
+/// forward pass from the embedding lookup to the logits (their sum is the pass's time, less a
+/// few clock reads). All zero when the model runs on another device (LibTorch ops).
+struct ForwardTimes {
+  double attention = 0;    ///< PagedKvCache::Attend (or the contiguous cache's) in every layer:
+                           ///< storing the new keys and values, then attention over the cache
+  double layer_gemms = 0;  ///< the q/k/v, o, gate/up and down projections of every layer
+  double lm_head = 0;      ///< the output head's GEMM: [logit rows, dim] x [vocab, dim]^T
+  double other = 0;        ///< embedding lookup, RMSNorm, RoPE, SiLU x up, the logits' buffer
+
+  double total() const { return attention + layer_gemms + lm_head + other; }
+};
+
+}  // namespace vroll::policy
