@@ -7,10 +7,11 @@
 namespace vroll::policy {
 
 /// Seconds (std::chrono::steady_clock) of each part of LlamaModel's CPU forward pass, summed over
-/// every call since the model was built. Each part is timed on the calling thread around its
-/// parallel region, so it includes waiting for the region's other threads. The parts tile the
-/// forward pass from the embedding lookup to the logits (their sum is the pass's time, less a
-/// few clock reads). All zero when the model runs on another device (LibTorch ops).
+/// every call that completed since the model was built (a call that throws adds nothing). Each
+/// part is timed on the calling thread around its parallel region, so it includes waiting for the
+/// region's other threads. The parts tile the pass from the embedding lookup to the logits
+/// (input checks and scratch allocation before it are in none). All zero when the model runs on
+/// another device (LibTorch ops).
 struct ForwardTimes {
   double attention = 0;    ///< PagedKvCache::Attend (or the contiguous cache's) in every layer:
                            ///< storing the new keys and values, then attention over the cache
@@ -19,6 +20,14 @@ struct ForwardTimes {
   double other = 0;        ///< embedding lookup, RMSNorm, RoPE, SiLU x up, the logits' buffer
 
   double total() const { return attention + layer_gemms + lm_head + other; }
+
+  ForwardTimes& operator+=(const ForwardTimes& o) {
+    attention += o.attention;
+    layer_gemms += o.layer_gemms;
+    lm_head += o.lm_head;
+    other += o.other;
+    return *this;
+  }
 };
 
 }  // namespace vroll::policy

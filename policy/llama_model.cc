@@ -192,7 +192,9 @@ at::Tensor LlamaModel::ForwardCpu(const ForwardBatch& batch, AttentionBackend& k
   const float* cos_table = rope_cos_.data_ptr<float>();
   const float* sin_table = rope_sin_.data_ptr<float>();
 
-  // Each part's time goes to forward_times_ as it ends (the parts tile the pass).
+  // Each part's time goes to `times` as it ends (the parts tile the pass), added to
+  // forward_times_ when the pass completes: a step that throws (and that the engine survives)
+  // adds nothing, as it adds nothing to the engine's forward time.
   using Clock = std::chrono::steady_clock;
   Clock::time_point mark = Clock::now();
   auto lap = [&mark](double& part) {
@@ -200,7 +202,7 @@ at::Tensor LlamaModel::ForwardCpu(const ForwardBatch& batch, AttentionBackend& k
     part += std::chrono::duration<double>(now - mark).count();
     mark = now;
   };
-  ForwardTimes& times = forward_times_;
+  ForwardTimes times;
 
   for (int64_t i = 0; i < t; ++i) std::memcpy(xp + i * dim, embed + batch.token_ids[i] * dim, sizeof(float) * dim);
   for (size_t l = 0; l < layers_.size(); ++l) {
@@ -264,6 +266,7 @@ at::Tensor LlamaModel::ForwardCpu(const ForwardBatch& batch, AttentionBackend& k
   Gemm(lastp, num_logits, dim, packed_lm_head_, config_.vocab_size, {}, logits.data_ptr<float>(), config_.vocab_size,
        /*accumulate=*/false, /*stream_output=*/logits_bytes >= (int64_t{4} << 20));
   lap(times.lm_head);
+  forward_times_ += times;
   return logits;
 }
 

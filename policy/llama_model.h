@@ -62,8 +62,8 @@ class LlamaModel {
   const ModelConfig& config() const { return config_; }
   c10::Device device() const { return device_; }
 
-  /// Seconds of the CPU forward pass's parts, summed over every Forward since construction
-  /// (policy/forward_times.h); zero on other devices. Same thread rules as Forward.
+  /// Seconds of the CPU forward pass's parts, summed over every Forward that completed since
+  /// construction (policy/forward_times.h); zero on other devices. Same thread rules as Forward.
   const ForwardTimes& forward_times() const { return forward_times_; }
 
   /// Canonical (Hugging Face) name -> parameter tensor, in ExpectedWeightShapes order. The

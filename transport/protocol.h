@@ -176,7 +176,8 @@ struct ControlAckMsg {
   ControlKind kind = ControlKind::kPause;
 };
 
-/// "stats": a snapshot of the engine's counters (busy_seconds is not on the wire).
+/// "stats": a snapshot of the engine's counters (the timing fields, busy_seconds, the
+/// schedule/forward/sample/commit/decode seconds and forward_parts, are not on the wire).
 struct StatsMsg {
   std::string id;
   rollout::EngineStats stats;
