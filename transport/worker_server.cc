@@ -897,6 +897,13 @@ struct WorkerServer::Impl {
   void OnUpdateChunk(const std::string& peer, const UpdateChunkMsg& m, const zmq::message_t& bytes) {
     OpenUpdate* u = FindUpdate(peer, m.id, m.update_id);
     if (u == nullptr || RefuseByPhase(peer, m.id, *u, "writing a chunk")) return;
+    if (u->phase == OpenUpdate::Phase::kVerified) {
+      // Refused before the staging sees it (a write after Verify would poison the verified update).
+      SendError(peer, m.id, ErrorCode::kUpdateFailed, "",
+                fmt::format("update '{}' is verified: it takes no more chunks (send update_apply or update_abort)",
+                            u->update_id));
+      return;
+    }
     // The bytes go straight from the ZeroMQ frame into the staging buffer.
     const policy::UpdateStatus st = staging->Write(m.name, m.offset, bytes.data(), bytes.size());
     if (!st.ok()) {
@@ -908,6 +915,17 @@ struct WorkerServer::Impl {
   void On(const std::string& peer, UpdateCommitMsg& m) {
     OpenUpdate* u = FindUpdate(peer, m.id, m.update_id);
     if (u == nullptr || RefuseByPhase(peer, m.id, *u, "a commit")) return;
+    if (u->phase == OpenUpdate::Phase::kVerified) {
+      // A repeated commit (a client retrying one whose ack it missed): the bytes were verified
+      // once and stay so; apply false acknowledges "verified" again, apply true applies.
+      log.info("update '{}': update_commit repeated on a verified update (apply {})", u->update_id, m.apply);
+      if (m.apply) {
+        Apply(peer, m.id, *u);
+      } else {
+        SendVerifiedAck(peer, m.id, *u);
+      }
+      return;
+    }
     const policy::UpdateStatus st = staging->Verify();
     if (!st.ok()) {
       Poison(*u, st.error());
@@ -927,9 +945,13 @@ struct WorkerServer::Impl {
     }
     u->phase = OpenUpdate::Phase::kVerified;
     log.info("update '{}' verified (version {}); waiting for update_apply", u->update_id, u->version);
+    SendVerifiedAck(peer, m.id, *u);
+  }
+
+  void SendVerifiedAck(const std::string& peer, const std::string& id, const OpenUpdate& u) {
     UpdateAckMsg ack;
-    ack.id = m.id;
-    ack.update_id = u->update_id;
+    ack.id = id;
+    ack.update_id = u.update_id;
     ack.stage = UpdateStage::kVerified;
     ack.version = engine.policy_version();
     Send(peer, ack);

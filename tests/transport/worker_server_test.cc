@@ -1093,6 +1093,39 @@ TEST(WorkerServerTest, ASecondUpdateWhileOneIsOpenIsBusy) {
 // or abort for it is refused (unknown_update, naming the other connection), changes nothing,
 // and the owner then completes it. (Before, any connection could abort or commit it, and the
 // owner was told unknown_update while its weights went live.)
+TEST(WorkerServerTest, ARepeatedCommitOfAVerifiedUpdateIsAnsweredAgainAndALateChunkLeavesItVerified) {
+  // A client that missed the "verified" ack of its commit retries it: that must neither verify
+  // the bytes a second time nor fail the update, and a stray chunk must not poison it either.
+  WorkerHarness worker;
+  const policy::WeightMap& weights = NewPolicy().weights;
+  auto trainer = Connect(worker.endpoint());
+  trainer->Send(FullBegin("begin", "u", weights, 1));
+  EXPECT_EQ(NextAs<UpdateAckMsg>(*trainer).stage, UpdateStage::kBegun);
+  for (const auto& [name, t] : weights) trainer->Send(UpdateChunkMsg{"chunk", "u", name, 0}, {BytesOf(t)});
+  for (const char* id : {"commit1", "commit2"}) {
+    trainer->Send(UpdateCommitMsg{id, "u", false});
+    const UpdateAckMsg verified = NextAs<UpdateAckMsg>(*trainer);
+    EXPECT_EQ(verified.id, id);
+    EXPECT_EQ(verified.stage, UpdateStage::kVerified) << id;
+    EXPECT_EQ(verified.version, 0u) << id;
+  }
+  const auto& [first_name, first_tensor] = *weights.begin();
+  trainer->Send(UpdateChunkMsg{"late", "u", first_name, 0}, {BytesOf(first_tensor)});
+  const ErrorMsg late = NextAs<ErrorMsg>(*trainer);
+  EXPECT_EQ(late.id, "late");
+  EXPECT_EQ(late.code, ErrorCode::kUpdateFailed);
+  EXPECT_NE(late.message.find("is verified"), std::string::npos) << late.message;
+  EXPECT_EQ(trainer->Health().policy_version, 0u);
+  // Still verified: a commit with apply (the retry of a one-phase push) applies it.
+  trainer->Send(UpdateCommitMsg{"commit3", "u", true});
+  const UpdateAckMsg applied = NextAs<UpdateAckMsg>(*trainer);
+  EXPECT_EQ(applied.id, "commit3");
+  EXPECT_EQ(applied.stage, UpdateStage::kApplied);
+  EXPECT_EQ(applied.version, 1u);
+  EXPECT_EQ(applied.weights_checksum, policy::WeightsChecksum(weights));
+  EXPECT_EQ(trainer->Health().policy_version, 1u);
+}
+
 TEST(WorkerServerTest, OnlyTheConnectionThatBeganAnUpdateCanSendItsMessages) {
   WorkerHarness worker;
   const policy::WeightMap& weights = NewPolicy().weights;
