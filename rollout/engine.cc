@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cmath>
 #include <limits>
+#include <stdexcept>
 
 #include <fmt/format.h>
 
@@ -147,6 +148,7 @@ Engine::Engine(const policy::Checkpoint& checkpoint, const EngineConfig& config)
 Engine::~Engine() { Stop(); }
 
 void Engine::Start() {
+  std::lock_guard<std::mutex> own(caller_mu_);  // a step running on a caller's thread ends first
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (threaded_) return;
@@ -170,8 +172,12 @@ void Engine::Stop() {
   if (thread_.joinable()) thread_.join();
   // The engine thread is gone: this thread owns the engine now. threaded_ stays set until every
   // unfinished request and update is answered, so that no other thread steps the engine (as
-  // Generate and UpdateWeights do when it has no thread) or submits meanwhile.
-  AbortAll();
+  // Generate and UpdateWeights do when it has no thread) or submits meanwhile; never started,
+  // a step on another caller's thread ends first.
+  {
+    std::lock_guard<std::mutex> own(caller_mu_);
+    AbortAll();
+  }
   {
     std::lock_guard<std::mutex> lock(mu_);
     threaded_ = false;
@@ -339,7 +345,28 @@ void Engine::WarnOfNonFiniteLogits(const std::vector<SampleResult>& finished, Po
                          version, bad);
 }
 
+template <class OnError>
+std::optional<bool> Engine::StepOnCaller(OnError&& on_error) {
+  std::lock_guard<std::mutex> own(caller_mu_);
+  if (Threaded()) return std::nullopt;
+  try {
+    return StepOwned();
+  } catch (const std::exception& e) {
+    on_error(e);
+    throw;
+  }
+}
+
 bool Engine::Step() {
+  const std::optional<bool> stepped = StepOnCaller([](const std::exception&) {});
+  if (!stepped.has_value()) {
+    throw std::logic_error("Engine::Step: the engine thread is running (Start was called); Step is for an engine "
+                           "without it");
+  }
+  return *stepped;
+}
+
+bool Engine::StepOwned() {
   const auto t0 = Clock::now();
   DrainInbox();
   const bool admit_new = SafePoint();
@@ -590,16 +617,17 @@ UpdateResult Engine::UpdateWeights(const policy::WeightMap& weights, PolicyVersi
     cv.notify_all();
   });
   if (!submitted.ok()) return refuse(submitted.error);
-  if (Threaded()) {
-    std::unique_lock<std::mutex> lock(mu);
-    cv.wait(lock, [&] { return result.has_value(); });
-  } else {
-    while (true) {
-      {
-        std::lock_guard<std::mutex> lock(mu);
-        if (result.has_value()) break;
-      }
-      Step();
+  // Without the engine thread, run steps here until the update is acknowledged (another caller's
+  // steps may apply it too); once the thread runs (Start, even meanwhile), wait for it.
+  while (true) {
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      if (result.has_value()) break;
+    }
+    if (!StepOnCaller([](const std::exception&) {}).has_value()) {
+      std::unique_lock<std::mutex> lock(mu);
+      cv.wait(lock, [&] { return result.has_value(); });
+      break;
     }
   }
   return *result;
@@ -635,7 +663,7 @@ void Engine::Loop() {
     }
     bool progressed = false;
     try {
-      progressed = Step();
+      progressed = StepOwned();
     } catch (const std::exception& e) {
       // No exception leaves the engine thread: fail every live request with the reason.
       log.error("engine step failed: {}", e.what());
@@ -681,7 +709,10 @@ std::vector<SampleResult> Engine::Generate(const std::vector<Request>& requests)
   // On failure, the requests already submitted are aborted (nobody will read their samples).
   auto fail = [&](const auto& error) {
     for (const std::string& id : submitted) Abort(id);
-    if (!Threaded()) DrainInbox();
+    {
+      std::lock_guard<std::mutex> own(caller_mu_);
+      if (!Threaded()) DrainInbox();  // the aborts take effect before this call returns
+    }
     throw error;
   };
   for (const Request& r : requests) {
@@ -693,28 +724,26 @@ std::vector<SampleResult> Engine::Generate(const std::vector<Request>& requests)
     if (!s.ok()) fail(std::invalid_argument(fmt::format("request '{}' refused: {}", r.request_id, s.error)));
     submitted.push_back(r.request_id);
   }
-  if (Threaded()) {
-    std::unique_lock<std::mutex> lock(collected->mu);
-    collected->cv.wait(lock, [&] { return collected->results.size() >= expected; });
-  } else {
-    while (received() < expected) {
-      bool stepped = false;
-      try {
-        stepped = Step();
-      } catch (const std::exception& e) {
-        // As the engine thread's loop does: the call's requests end, not left running for nobody.
-        for (const std::string& id : submitted) {
-          std::vector<SampleResult> results = scheduler_->AbortRequest(id, FinishReason::kError);
-          for (SampleResult& r : results) r.error = fmt::format("engine step failed: {}", e.what());
-          Emit(std::move(results));
-        }
-        throw;
+  // Without the engine thread, run steps here until every sample of the call is in (another
+  // caller's steps may deliver some); once the thread runs (Start, even meanwhile), wait for it.
+  while (received() < expected) {
+    const std::optional<bool> stepped = StepOnCaller([&](const std::exception& e) {
+      // As the engine thread's loop does: the call's requests end, not left running for nobody.
+      for (const std::string& id : submitted) {
+        std::vector<SampleResult> results = scheduler_->AbortRequest(id, FinishReason::kError);
+        for (SampleResult& r : results) r.error = fmt::format("engine step failed: {}", e.what());
+        Emit(std::move(results));
       }
-      if (!stepped) {
-        const size_t got = received();
-        fail(std::runtime_error(fmt::format("engine went idle with {} of {} samples unfinished (min_policy_version "
-                                            "not reached?)", expected - got, expected)));
-      }
+    });
+    if (!stepped.has_value()) {
+      std::unique_lock<std::mutex> lock(collected->mu);
+      collected->cv.wait(lock, [&] { return collected->results.size() >= expected; });
+      break;
+    }
+    const size_t got = received();
+    if (!*stepped && got < expected) {
+      fail(std::runtime_error(fmt::format("engine went idle with {} of {} samples unfinished (min_policy_version "
+                                          "not reached?)", expected - got, expected)));
     }
   }
   std::vector<SampleResult> results = std::move(collected->results);

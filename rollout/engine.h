@@ -132,8 +132,10 @@ struct EngineStats {
 };
 
 /// Thread safety: Submit, Abort, stats and policy_version may be called from any thread.
-/// Start/Stop from the owning thread. Step and Generate without Start run the engine on the
-/// calling thread (which then owns it).
+/// Start/Stop from one controlling thread. Without Start, Step, Generate and UpdateWeights run
+/// the engine's steps on the calling thread; calls from several threads at once are serialized
+/// one step at a time (each step serves every request, whoever submitted it), and Start waits
+/// for such a step to end, after which those calls wait for the engine thread instead.
 class Engine {
  public:
   using ResultCallback = std::function<void(SampleResult)>;
@@ -167,6 +169,7 @@ class Engine {
   std::vector<SampleResult> Generate(const std::vector<Request>& requests);
 
   /// Runs one step on the calling thread (engine not started). Returns false when idle.
+  /// Throws std::logic_error while the engine thread runs (between Start and the end of Stop).
   bool Step();
 
   // ---- Weight updates ---------------------------------------------------------------------------
@@ -250,6 +253,13 @@ class Engine {
   void WarnOfNonFiniteLogits(const std::vector<SampleResult>& finished, PolicyVersion version);
   PolicyVersion nonfinite_warned_version_ = 0;  // version + 1 last warned of (engine thread)
   bool Threaded() const;  // threaded_, read under mu_ (thread_ itself is Start/Stop's only)
+  /// One step's body: on the engine thread, or on a caller's holding caller_mu_ (not threaded).
+  bool StepOwned();
+  /// A step on the calling thread (caller_mu_ held for it): nullopt when the engine thread runs,
+  /// else StepOwned's result. When the step throws a std::exception, `on_error(e)` runs first,
+  /// still owning the engine (e.g. to fail the caller's requests), then it propagates.
+  template <class OnError>
+  std::optional<bool> StepOnCaller(OnError&& on_error);
   SubmitStatus Validate(const Request& request) const;
 
   // Immutable after construction.
@@ -259,7 +269,11 @@ class Engine {
   int num_kv_blocks_ = 0;
   std::vector<policy::ParamSpec> param_specs_;
 
-  // Engine thread only.
+  // Held by a caller's thread for each step it runs without the engine thread (and by Start,
+  // and Stop's final aborts), so that one thread at a time owns what follows.
+  std::mutex caller_mu_;
+
+  // The engine thread's, or (not started) the thread holding caller_mu_.
   std::unique_ptr<ModelRunner> runner_;
   std::unique_ptr<cache::KvCacheManager> kv_;
   std::unique_ptr<Scheduler> scheduler_;

@@ -446,6 +446,65 @@ TEST(EngineTest, ThreadedSubmittersGetExactlyOneResultPerSample) {
   EXPECT_EQ(static_cast<int>(seen.size()), expected);
 }
 
+// Without Start, Generate and UpdateWeights run steps on their callers' threads: several callers
+// at once take turns one step at a time (each step serving all), rather than stepping the same
+// engine together (which crashed). Oracle: each request generated alone on another engine
+// (seeded sampling does not depend on the batch, and the updates keep the same weights).
+TEST(EngineTest, SeveralThreadsDrivingAnEngineWithoutItsThreadAreServedOneStepAtATime) {
+  auto request = [](int thread, int call) {
+    std::mt19937 rng(1000 * thread + call);
+    return MakeRequest(fmt::format("t{}c{}", thread, call), RandomPrompt(rng, 3 + call % 5, 259), 12 + call % 9, 1.0,
+                       1 + call % 3, 77 * thread + call);
+  };
+  constexpr int kThreads = 3, kCalls = 6, kUpdates = 4;
+  Engine solo(Default(), SmallConfig());
+  std::map<std::pair<std::string, int>, std::vector<TokenId>> expected;
+  for (int t = 0; t < kThreads; ++t) {
+    for (int c = 0; c < kCalls; ++c) {
+      for (const SampleResult& r : solo.Generate({request(t, c)})) expected[{r.request_id, r.sample_index}] = r.output_ids;
+    }
+  }
+  Engine e(Default(), SmallConfig());
+  std::mutex mu;
+  std::map<std::pair<std::string, int>, std::vector<TokenId>> got;
+  std::vector<std::string> errors;
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      for (int c = 0; c < kCalls; ++c) {
+        try {
+          for (const SampleResult& r : e.Generate({request(t, c)})) {
+            std::lock_guard<std::mutex> lock(mu);
+            EXPECT_TRUE(got.emplace(std::make_pair(r.request_id, r.sample_index), r.output_ids).second)
+                << r.request_id << "/" << r.sample_index << " delivered twice";
+          }
+        } catch (const std::exception& ex) {
+          std::lock_guard<std::mutex> lock(mu);
+          errors.push_back(ex.what());
+        }
+      }
+    });
+  }
+  threads.emplace_back([&] {
+    for (int v = 1; v <= kUpdates; ++v) {
+      const UpdateResult u = e.UpdateWeights(Default().weights, v);
+      std::lock_guard<std::mutex> lock(mu);
+      if (!u.ok) errors.push_back(u.error);
+    }
+  });
+  for (auto& th : threads) th.join();
+  EXPECT_TRUE(errors.empty()) << errors.front();
+  EXPECT_EQ(got, expected);
+  EXPECT_EQ(e.policy_version(), static_cast<PolicyVersion>(kUpdates));
+  // With the engine thread running, Step refuses and Generate waits for that thread.
+  e.Start();
+  EXPECT_THROW(e.Step(), std::logic_error);
+  const std::vector<SampleResult> threaded = e.Generate({request(0, 0)});
+  ASSERT_FALSE(threaded.empty());
+  EXPECT_EQ(threaded[0].output_ids, (expected.at({"t0c0", 0})));
+  e.Stop();
+}
+
 TEST(EngineTest, AbortAndStopGiveEveryAcceptedSampleOneResult) {
   Engine e(Default(), SmallConfig());
   std::vector<SampleResult> results;
