@@ -610,6 +610,8 @@ struct TopLevelIdFinder : msgpack::null_visitor {
   }
 };
 
+}  // namespace
+
 std::string PeekTopLevelId(const void* data, size_t size) {
   TopLevelIdFinder finder;
   size_t offset = 0;
@@ -620,6 +622,8 @@ std::string PeekTopLevelId(const void* data, size_t size) {
   const std::string id = finder.id.value_or("");
   return FirstInvalidUtf8(id) == std::string_view::npos ? id : std::string();  // never echo bad bytes
 }
+
+namespace {
 
 /// Unpacks one msgpack object filling the whole frame, with limits tied to the frame's size: an
 /// array or map cannot claim more elements than there are bytes left, so the zone never

@@ -245,6 +245,12 @@ struct [[nodiscard]] Decoded {
 /// Thread safety: reentrant.
 Decoded<ClientMessage> DecodeClientMessage(const void* data, size_t size);
 
+/// The top-level "id" string of a msgpack map, found by a bounded scan that builds no objects
+/// (O(1) memory, nesting up to 32, stops at the id): how a header too large to decode is still
+/// answered under its own id. Empty when there is none, the bytes are not such a map, or the id
+/// is not valid UTF-8. Thread safety: reentrant.
+std::string PeekTopLevelId(const void* data, size_t size);
+
 /// Decodes a header frame sent to a client; the same contract as DecodeClientMessage.
 Decoded<WorkerMessage> DecodeWorkerMessage(const void* data, size_t size);
 

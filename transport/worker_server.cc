@@ -575,7 +575,8 @@ struct WorkerServer::Impl {
     }
     const zmq::message_t& header = in.frames[1];
     if (header.size() > static_cast<size_t>(config.max_message_bytes)) {
-      SendError(peer, "", ErrorCode::kTooLarge, "",
+      // Answered under the header's own id, so that the client can match it to its request.
+      SendError(peer, PeekTopLevelId(header.data(), header.size()), ErrorCode::kTooLarge, "",
                 fmt::format("header frame of {} bytes exceeds max_message_bytes = {}", header.size(),
                             config.max_message_bytes));
       return;

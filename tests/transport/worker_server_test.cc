@@ -428,6 +428,32 @@ TEST(WorkerServerTest, ErrorsEchoTheRequestId) {
   EXPECT_NE(e.message.find("259"), std::string::npos) << e.message;
 }
 
+// A header over max_message_bytes (but under kMaxHeaderBytes, so the worker reads it) is answered
+// under its own id: the C++ client then reports too_large for its call instead of timing out
+// (the error used to carry an empty id, which every client drops as matching no request).
+TEST(WorkerServerTest, AHeaderOverMaxMessageBytesIsAnsweredUnderItsIdAndTheClientGetsTooLarge) {
+  WorkerConfig config;
+  config.max_message_bytes = int64_t{1} << 20;
+  WorkerHarness worker(config);
+  auto client = Connect(worker.endpoint());
+  const std::vector<int64_t> long_prompt(400000, 200);  // 2 bytes per id: ~800 KB...
+  client->SendFrames({GenerateHeader("r", "big-id").Set("prompt", Value::Ints(long_prompt))
+                          .Set("pad", Value::Str(std::string(300000, 'x'))).Bytes()});  // ...+ 300 KB > 1 MiB
+  const ErrorMsg e = NextAs<ErrorMsg>(*client);
+  EXPECT_EQ(e.id, "big-id");
+  EXPECT_EQ(e.code, ErrorCode::kTooLarge);
+  EXPECT_NE(e.message.find("max_message_bytes"), std::string::npos) << e.message;
+  Request big = SeededRequests("big", 1, 4)[0];
+  big.prompt.assign(600000, 200);  // ~1.2 MB of header
+  try {
+    (void)client->Generate({big});
+    ADD_FAILURE() << "a generate over max_message_bytes was answered";
+  } catch (const WorkerError& error) {
+    EXPECT_EQ(error.error().code, ErrorCode::kTooLarge) << error.what();
+  }
+  EXPECT_TRUE(client->Health().ok);
+}
+
 // A KV cache too small for the model's context: health reports the capped max_model_len, a
 // prompt at it is refused naming the field and the cache, and the queue does not stall (a
 // request longer than the cache used to be accepted and hold up the queue forever).
