@@ -17,6 +17,7 @@
 #include <fmt/format.h>
 
 #include <CLI/CLI.hpp>
+#include <charconv>
 #include <cmath>
 #include <cstdio>
 #include <numeric>
@@ -25,6 +26,7 @@
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "examples/cli_checks.h"
@@ -54,11 +56,18 @@ std::vector<TokenId> ParseIds(const std::string& list) {
   std::vector<TokenId> ids;
   std::stringstream ss(list);
   for (std::string item; std::getline(ss, item, ',');) {
-    size_t end = 0;
-    const long id = std::stol(item, &end);
-    if (end != item.size())
+    const size_t first = item.find_first_not_of(' '), last = item.find_last_not_of(' ');
+    const std::string_view digits =
+        first == std::string::npos ? std::string_view() : std::string_view(item).substr(first, last - first + 1);
+    TokenId id = 0;
+    const auto [end, error] = std::from_chars(digits.data(), digits.data() + digits.size(), id);
+    if (error == std::errc::result_out_of_range) {
+      throw std::invalid_argument(fmt::format("--prompt-ids '{}': '{}' is out of range for a token id", list, item));
+    }
+    if (digits.empty() || error != std::errc() || end != digits.data() + digits.size()) {
       throw std::invalid_argument(fmt::format("--prompt-ids '{}': '{}' is not an integer", list, item));
-    ids.push_back(static_cast<TokenId>(id));
+    }
+    ids.push_back(id);
   }
   if (ids.empty()) throw std::invalid_argument(fmt::format("--prompt-ids '{}' holds no token id", list));
   return ids;

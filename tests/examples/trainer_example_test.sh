@@ -65,6 +65,16 @@ run_case() {
     fi
     grep -q "does not have the shape of" "$dir/mismatch-example.err" || fail "the shape mismatch is not named"
   fi
+  if [ "$name" = default ]; then
+    # Bad --prompt-ids: refused naming the item, before anything is pushed (no wrapped ids).
+    for bad in "1,abc" "1,,2" "1,4294967297" "1,99999999999999999999" "1,2x"; do
+      if "$EXAMPLE" --endpoint "$endpoint" --prompt-ids "$bad" >"$dir/ids-example.out" 2>"$dir/ids-example.err"; then
+        fail "--prompt-ids $bad accepted"
+      fi
+      grep -q -- "--prompt-ids '$bad': '[^']*' is \(not an integer\|out of range for a token id\)" \
+        "$dir/ids-example.out" "$dir/ids-example.err" || fail "--prompt-ids $bad: the bad item is not named"
+    done
+  fi
   "$EXAMPLE" --endpoint "$endpoint" --n 3 --max-new-tokens 12 --timeout-ms 60000 --shutdown-worker "$@" \
     >"$dir/$name-example.out" 2>"$dir/$name-example.err"
   local rc=$?
