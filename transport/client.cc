@@ -177,6 +177,16 @@ void Client::Send(const ClientMessage& message, const std::vector<std::string_vi
   }
 }
 
+bool Client::SendWithoutWaiting(const ClientMessage& message) noexcept {
+  if (!impl_->socket) return false;
+  try {
+    const std::string header = EncodeClientMessage(message);
+    return impl_->socket->send(zmq::buffer(header), zmq::send_flags::dontwait).has_value();
+  } catch (const std::exception&) {
+    return false;
+  }
+}
+
 std::optional<WorkerMessage> Client::Receive(int64_t timeout_ms) {
   if (!impl_->socket) throw TransportError("client is not connected");
   zmq::socket_t& socket = *impl_->socket;
@@ -228,6 +238,7 @@ WorkerMessage Client::WaitFor(const std::string& id) {
 void Client::Generate(const std::vector<rollout::Request>& requests,
                       const std::function<void(rollout::SampleResult)>& on_sample) {
   struct Pending {
+    std::string request_id;
     int n = 0;
     int num_received = 0;
     bool settled = false;  // accepted or refused
@@ -235,12 +246,32 @@ void Client::Generate(const std::vector<rollout::Request>& requests,
     PolicyVersion min_policy_version = 0;
   };
   std::unordered_map<std::string, Pending> pending;  // by generate message id
+  // A call that throws (no reply in time, on_sample threw, a failed send) leaves: its unfinished
+  // requests are aborted on the worker, so that they stop using its compute and queue slots
+  // (the Python client resets its socket instead). Best effort: sent without blocking, acks not
+  // awaited (later replies to this call are skipped as any abandoned call's are).
+  struct AbortUnfinished {
+    Client& client;
+    const std::unordered_map<std::string, Pending>& pending;
+    bool armed = true;
+    ~AbortUnfinished() {
+      if (!armed) return;
+      try {
+        for (const auto& [id, p] : pending) {
+          if (p.refused || (p.settled && p.num_received >= p.n)) continue;
+          (void)client.SendWithoutWaiting(AbortMsg{client.NextId("a"), p.request_id});
+        }
+      } catch (const std::exception&) {  // out of memory for an id: the worker keeps them
+      }
+    }
+  } abort_unfinished{*this, pending};
   for (const rollout::Request& r : requests) {
     const std::string id = NextId("g");
-    Send(GenerateMsg{id, r});
     Pending& p = pending[id];
+    p.request_id = r.request_id;
     p.n = r.n;
     p.min_policy_version = r.min_policy_version;
+    Send(GenerateMsg{id, r});
   }
   size_t num_unsettled = requests.size();
   int64_t num_outstanding = 0;  // samples of accepted requests not received yet
@@ -300,6 +331,7 @@ void Client::Generate(const std::vector<rollout::Request>& requests,
       deadline = Clock::now() + std::chrono::milliseconds(impl_->options.timeout_ms);
     }
   }
+  abort_unfinished.armed = false;  // every accepted sample arrived
   if (first_error) throw WorkerError(std::move(*first_error));
 }
 

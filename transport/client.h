@@ -117,7 +117,10 @@ class Client {
   /// Sends every request, then calls `on_sample` once per sample as each arrives (in the order
   /// they finish). When a request is refused, the samples of the accepted ones are still
   /// awaited (each accepted sample is delivered exactly once), then the first refusal is thrown
-  /// as WorkerError. request.seed travels as sampling.seed.
+  /// as WorkerError. request.seed travels as sampling.seed. When the call throws before every
+  /// accepted sample arrived (no reply within timeout_ms, on_sample threw), it first sends an
+  /// abort for each unfinished request (best effort, not awaited), so that the worker stops
+  /// generating them; their request ids are free again once the worker has ended them.
   void Generate(const std::vector<rollout::Request>& requests,
                 const std::function<void(rollout::SampleResult)>& on_sample);
   /// Generate, collecting every sample; ordered by (request_id, sample_index), as
@@ -162,6 +165,10 @@ class Client {
 
   /// Sends `message` as a header frame followed by `payload` frames (update_chunk: one).
   void Send(const ClientMessage& message, const std::vector<std::string_view>& payload = {});
+  /// Sends a header-only message if ZeroMQ takes it at once (never blocks, never throws);
+  /// false when it did not (no connection, queue full). For best-effort messages such as the
+  /// aborts of a failed Generate.
+  bool SendWithoutWaiting(const ClientMessage& message) noexcept;
   /// Sends arbitrary frames as one multipart message (for tests of malformed input).
   void SendFrames(const std::vector<std::string>& frames);
   /// The next reply, or nullopt when none arrives within `timeout_ms`. Throws TransportError when

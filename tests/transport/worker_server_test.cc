@@ -922,6 +922,44 @@ TEST(WorkerServerTest, ClientGenerateTimesOutOnAStuckEngineDespiteProbesButWaits
   EXPECT_EQ(samples[0].output_ids.size(), 4u);
 }
 
+// A Generate that gives up (timeout, or its on_sample throws) aborts its unfinished requests on
+// the worker: they no longer wait in its queue, and their ids can be used again. (They used to
+// stay queued: a retry with the same id was refused as "already in flight".)
+TEST(WorkerServerTest, AClientGenerateThatGivesUpAbortsItsUnfinishedRequestsOnTheWorker) {
+  WorkerHarness worker;
+  auto trainer = Connect(worker.endpoint());
+  ClientOptions options;
+  options.timeout_ms = 300;
+  auto client = Connect(worker.endpoint(), options);
+  auto wait_until_nothing_waits = [&] {
+    const Clock::time_point deadline = Clock::now() + std::chrono::seconds(10);
+    rollout::EngineStats st = trainer->Stats();
+    while ((st.num_waiting > 0 || st.num_running > 0) && Clock::now() < deadline) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      st = trainer->Stats();
+    }
+    return st.num_waiting + st.num_running;
+  };
+  trainer->Pause();
+  EXPECT_THROW(client->Generate({MakeRequest("p", {1, 5, 6}, 4), MakeRequest("q", {1, 7}, 4, 1.0, 3)}),
+               TransportError);
+  EXPECT_EQ(wait_until_nothing_waits(), 0) << "the timed-out requests still wait on the paused worker";
+  trainer->Resume();
+  // on_sample throwing: the other request of the call, which waits for a version that never
+  // comes, is aborted as well.
+  Request waiting = MakeRequest("slow", {1, 6}, 20, 1.0, 4);
+  waiting.min_policy_version = 1;
+  EXPECT_THROW(client->Generate({MakeRequest("fast", {1, 5}, 1), waiting},
+                                [](SampleResult r) {
+                                  if (r.request_id == "fast") throw std::runtime_error("caller gives up");
+                                }),
+               std::runtime_error);
+  EXPECT_EQ(wait_until_nothing_waits(), 0) << "the abandoned request still waits";
+  const std::vector<SampleResult> again = client->Generate({MakeRequest("p", {1, 5, 6}, 4)});
+  ASSERT_EQ(again.size(), 1u);
+  EXPECT_EQ(again[0].finish_reason, rollout::FinishReason::kLength);
+}
+
 TEST(WorkerServerTest, ClientGenerateDoesNotCountTimeSpentInOnSampleAsWaiting) {
   // A caller whose on_sample takes longer than the client's timeout (a slow reward function)
   // still gets every sample: the wait for the next reply starts when on_sample returns.
