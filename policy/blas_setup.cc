@@ -134,8 +134,9 @@ BlasReport BlasSelfCheck() {
   __builtin_cpu_init();
   const bool wide_simd = __builtin_cpu_supports("avx512f") || __builtin_cpu_supports("avx2");
   if (wide_simd && report.gemm_gflops / std::max(1, at::get_num_threads()) < 25.0) {
-    log.warn("BLAS looks slow ({:.1f} GFLOP/s) for a CPU with AVX2/AVX-512: a generic kernel is in use",
-             report.gemm_gflops);
+    log.warn("BLAS measured {:.1f} GFLOP/s on {} threads, under the 25 per thread expected with AVX2/AVX-512: a "
+             "generic kernel is in use, or other work was running on these cores during the start-up measurement",
+             report.gemm_gflops, at::get_num_threads());
   }
   return report;
 }

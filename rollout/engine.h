@@ -107,9 +107,14 @@ struct EngineStats {
   int num_running = 0;
   int num_waiting = 0;
   int num_blocks = 0;
-  int num_free_blocks = 0;
+  int num_free_blocks = 0;     ///< KV blocks on the free list
+  /// KV blocks held (reference count >= 1): by running sequences' block tables, by the prefix
+  /// cache of the current policy version, or retired: indexed by an older version's prefix cache
+  /// after a weight update, never reused for lookups, reclaimed lazily (when blocks are needed,
+  /// and a bounded number per step) or at once by FlushCache. So after an update an idle engine
+  /// can show used blocks with nothing running and nothing cached.
   int num_used_blocks = 0;
-  int num_cached_blocks = 0;
+  int num_cached_blocks = 0;   ///< KV blocks indexed by the current version's prefix cache
   int peak_used_blocks = 0;    ///< most blocks in use after any step
   double prefix_hit_rate = 0;  ///< prompt tokens served from the prefix cache / prompt tokens admitted
   int64_t num_steps = 0;
