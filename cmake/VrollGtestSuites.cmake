@@ -12,8 +12,9 @@
 #
 # The suites are listed when ctest runs (as gtest_discover_tests' PRE_TEST mode does), from
 # `<target> --gtest_list_tests`, so a new suite needs no CMake change; the list is kept in the
-# binary directory and redone whenever the executable is newer. A binary whose listing fails
-# becomes one failing test, <target>_list_suites, that shows why.
+# binary directory and redone whenever the executable is newer. A binary whose listing fails (or
+# lists no suite) becomes one failing test, <target>_list_suites, whose output shows why; so does
+# a binary that is not built. TIMEOUT: seconds per suite; by default ctest --timeout applies.
 #
 # Skips: a binary whose main returns 77 when every test it ran skipped itself (GTEST_SKIP) and none
 # failed (tests/support/test_main.cc does) has such a suite reported as skipped; a suite with a
@@ -25,7 +26,7 @@ set(VROLL_GTEST_SUITES_SCRIPT "${CMAKE_CURRENT_LIST_DIR}/VrollGtestSuitesAdd.cma
 function(vroll_gtest_suites target)
   cmake_parse_arguments(PARSE_ARGV 1 arg "" "TIMEOUT" "")
   if(NOT arg_TIMEOUT)
-    set(arg_TIMEOUT 900)
+    set(arg_TIMEOUT 0)  # none of its own: ctest --timeout applies (scripts/test.sh: 900 s per suite)
   endif()
   set(include_file "${CMAKE_CURRENT_BINARY_DIR}/${target}_suites_include.cmake")
   file(GENERATE OUTPUT "${include_file}" CONTENT
@@ -34,6 +35,7 @@ set(vroll_gtest_executable [==[$<TARGET_FILE:${target}>]==])
 set(vroll_gtest_working_directory [==[${CMAKE_CURRENT_BINARY_DIR}]==])
 set(vroll_gtest_list_file [==[${CMAKE_CURRENT_BINARY_DIR}/${target}_suites.txt]==])
 set(vroll_gtest_timeout ${arg_TIMEOUT})
+set(vroll_gtest_cmake [==[${CMAKE_COMMAND}]==])
 include([==[${VROLL_GTEST_SUITES_SCRIPT}]==])
 ")
   set_property(DIRECTORY APPEND PROPERTY TEST_INCLUDE_FILES "${include_file}")

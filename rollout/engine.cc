@@ -580,6 +580,16 @@ SubmitStatus Engine::SubmitUpdate(policy::WeightUpdateStaging* staging, InFlight
 
 UpdateResult Engine::UpdateWeights(const policy::WeightMap& weights, PolicyVersion version, InFlightMode mode,
                                    bool partial) {
+  // Counted while it runs, so that a Generate stepping on another caller's thread does not take
+  // the idle engine for one that will never reach its min_policy_version (see Generate).
+  struct InProgress {
+    Engine& engine;
+    explicit InProgress(Engine& e) : engine(e) { engine.sync_updates_in_progress_.fetch_add(1); }
+    ~InProgress() {
+      engine.sync_updates_in_progress_.fetch_sub(1);
+      engine.cv_.notify_all();
+    }
+  } in_progress(*this);
   std::lock_guard<std::mutex> one_at_a_time(sync_update_mu_);
   if (!sync_staging_) sync_staging_ = MakeStaging();
   policy::WeightUpdateStaging& staging = *sync_staging_;
@@ -608,29 +618,34 @@ UpdateResult Engine::UpdateWeights(const policy::WeightMap& weights, PolicyVersi
   st = staging.Verify();
   if (!st.ok()) return refuse(st.error());
 
-  std::mutex mu;
-  std::condition_variable cv;
-  std::optional<UpdateResult> result;
-  SubmitStatus submitted = SubmitUpdate(&staging, mode, [&](UpdateResult r) {
-    std::lock_guard<std::mutex> lock(mu);
-    result = std::move(r);
-    cv.notify_all();
+  // Shared with the acknowledgement callback: if a step on this thread throws, the update is
+  // still acknowledged later (by another caller's step, or Stop), into this state, not this frame.
+  struct Ack {
+    std::mutex mu;
+    std::condition_variable cv;
+    std::optional<UpdateResult> result;
+  };
+  auto ack = std::make_shared<Ack>();
+  SubmitStatus submitted = SubmitUpdate(&staging, mode, [ack](UpdateResult r) {
+    std::lock_guard<std::mutex> lock(ack->mu);
+    ack->result = std::move(r);
+    ack->cv.notify_all();
   });
   if (!submitted.ok()) return refuse(submitted.error);
   // Without the engine thread, run steps here until the update is acknowledged (another caller's
   // steps may apply it too); once the thread runs (Start, even meanwhile), wait for it.
   while (true) {
     {
-      std::lock_guard<std::mutex> lock(mu);
-      if (result.has_value()) break;
+      std::lock_guard<std::mutex> lock(ack->mu);
+      if (ack->result.has_value()) break;
     }
     if (!StepOnCaller([](const std::exception&) {}).has_value()) {
-      std::unique_lock<std::mutex> lock(mu);
-      cv.wait(lock, [&] { return result.has_value(); });
+      std::unique_lock<std::mutex> lock(ack->mu);
+      ack->cv.wait(lock, [&] { return ack->result.has_value(); });
       break;
     }
   }
-  return *result;
+  return *ack->result;
 }
 
 void Engine::Pause() {
@@ -741,6 +756,14 @@ std::vector<SampleResult> Engine::Generate(const std::vector<Request>& requests)
       break;
     }
     const size_t got = received();
+    if (!*stepped && got < expected && sync_updates_in_progress_.load() > 0) {
+      // Idle now, but an UpdateWeights on another thread is staging a version these requests
+      // may wait for: wait for it to be submitted (or to end) rather than fail.
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait_for(lock, std::chrono::milliseconds(20),
+                   [this] { return update_inbox_.has_value() || sync_updates_in_progress_.load() == 0; });
+      continue;
+    }
     if (!*stepped && got < expected) {
       fail(std::runtime_error(fmt::format("engine went idle with {} of {} samples unfinished (min_policy_version "
                                           "not reached?)", expected - got, expected)));

@@ -158,9 +158,11 @@ class Engine {
   /// aborted), so every on_done is called.
   void Stop();
 
-  /// Validates and queues `request`; `on_result` is called once per sample, on the engine thread,
-  /// as each finishes (it must be quick: enqueue and return; an exception it throws is logged and
-  /// ignored). Refusals are returned, not thrown.
+  /// Validates and queues `request`; `on_result` is called once per sample, on the engine thread
+  /// (without Start: on the caller's thread running that step), as each finishes. It must be
+  /// quick (enqueue and return) and must not call Step, Generate, UpdateWeights, Start or Stop
+  /// (it runs inside a step: that would deadlock); an exception it throws is logged and ignored.
+  /// Refusals are returned, not thrown.
   SubmitStatus Submit(Request request, ResultCallback on_result);
   /// Ends the request's unfinished samples with finish reason "aborted". Unknown or finished ids:
   /// no-op (an abort of a finished request does not end a later one that reuses its id).
@@ -197,7 +199,7 @@ class Engine {
   /// dealing with in-flight sequences per `mode`) installs the weights (ModelRunner::ApplyWeights:
   /// a swap of prepared buffers for the bound staging, else copy and repack), bumps the
   /// version and invalidates the prefix cache in one critical section, then calls `on_done` (on
-  /// the engine thread) with the acknowledgement. `staging` must be verified and left untouched
+  /// the thread running that step, with Submit's rules for on_result) with the acknowledgement. `staging` must be verified and left untouched
   /// until `on_done` runs; the engine calls staging->Finish() before it. An update whose version
   /// is not above the version in use by then is refused in its acknowledgement (staging aborted)
   /// before any in-flight sequence is touched; so is one still pending at Stop(), on the
@@ -288,6 +290,7 @@ class Engine {
   EngineStats counters_;
   std::optional<PendingUpdate> update_;          // taken from update_inbox_ at a safe point
   std::mutex sync_update_mu_;  // one UpdateWeights at a time; guards sync_staging_
+  std::atomic<int> sync_updates_in_progress_{0};  // UpdateWeights calls running (any thread)
   std::shared_ptr<policy::WeightUpdateStaging> sync_staging_;  // UpdateWeights' buffers, reused
   std::mutex staging_mu_;  // guards bound_staging_ and spare_buffers_
   std::weak_ptr<policy::WeightUpdateStaging> bound_staging_;  // MakeStaging's bound one

@@ -67,12 +67,16 @@ run_case() {
   fi
   if [ "$name" = default ]; then
     # Bad --prompt-ids: refused naming the item, before anything is pushed (no wrapped ids).
-    for bad in "1,abc" "1,,2" "1,4294967297" "1,99999999999999999999" "1,2x"; do
+    # list|item|message
+    for case in "1,abc|abc|is not an integer" "1,,2||is not an integer" "1,2x|2x|is not an integer" \
+      "1,4294967297|4294967297|is out of range for a token id" \
+      "1,99999999999999999999|99999999999999999999|is out of range for a token id"; do
+      IFS='|' read -r bad item message <<<"$case"
       if "$EXAMPLE" --endpoint "$endpoint" --prompt-ids "$bad" >"$dir/ids-example.out" 2>"$dir/ids-example.err"; then
         fail "--prompt-ids $bad accepted"
       fi
-      grep -q -- "--prompt-ids '$bad': '[^']*' is \(not an integer\|out of range for a token id\)" \
-        "$dir/ids-example.out" "$dir/ids-example.err" || fail "--prompt-ids $bad: the bad item is not named"
+      grep -qF -- "--prompt-ids '$bad': '$item' $message" "$dir/ids-example.out" "$dir/ids-example.err" ||
+        fail "--prompt-ids $bad: no \"'$item' $message\""
     done
   fi
   "$EXAMPLE" --endpoint "$endpoint" --n 3 --max-new-tokens 12 --timeout-ms 60000 --shutdown-worker "$@" \

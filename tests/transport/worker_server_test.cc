@@ -929,7 +929,7 @@ TEST(WorkerServerTest, AClientGenerateThatGivesUpAbortsItsUnfinishedRequestsOnTh
   WorkerHarness worker;
   auto trainer = Connect(worker.endpoint());
   ClientOptions options;
-  options.timeout_ms = 300;
+  options.timeout_ms = 1000;  // also the final call's wait between replies, on a loaded machine
   auto client = Connect(worker.endpoint(), options);
   auto wait_until_nothing_waits = [&] {
     const Clock::time_point deadline = Clock::now() + std::chrono::seconds(10);
@@ -1153,10 +1153,6 @@ TEST(WorkerServerTest, ASecondUpdateWhileOneIsOpenIsBusy) {
   EXPECT_GE(Clock::now() - t0, std::chrono::milliseconds(250));  // it did wait for the abort
 }
 
-// An update belongs to the connection that began it: another connection's chunk, commit, apply
-// or abort for it is refused (unknown_update, naming the other connection), changes nothing,
-// and the owner then completes it. (Before, any connection could abort or commit it, and the
-// owner was told unknown_update while its weights went live.)
 TEST(WorkerServerTest, ARepeatedCommitOfAVerifiedUpdateIsAnsweredAgainAndALateChunkLeavesItVerified) {
   // A client that missed the "verified" ack of its commit retries it: that must neither verify
   // the bytes a second time nor fail the update, and a stray chunk must not poison it either.
@@ -1190,6 +1186,10 @@ TEST(WorkerServerTest, ARepeatedCommitOfAVerifiedUpdateIsAnsweredAgainAndALateCh
   EXPECT_EQ(trainer->Health().policy_version, 1u);
 }
 
+// An update belongs to the connection that began it: another connection's chunk, commit, apply
+// or abort for it is refused (unknown_update, naming the other connection), changes nothing,
+// and the owner then completes it. (Before, any connection could abort or commit it, and the
+// owner was told unknown_update while its weights went live.)
 TEST(WorkerServerTest, OnlyTheConnectionThatBeganAnUpdateCanSendItsMessages) {
   WorkerHarness worker;
   const policy::WeightMap& weights = NewPolicy().weights;
