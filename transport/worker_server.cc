@@ -260,6 +260,7 @@ struct WorkerServer::Impl {
     std::string ack_id;
     std::string owner;      // the peer that began it (probed when another peer wants to begin)
     std::string begin_id;   // the id of its update_begin (the shutdown notice carries it)
+    policy::UpdateManifest manifest;  // as begun: a repeated identical begin is a retry
   };
 
   /// One received multipart message, routing id first.
@@ -802,6 +803,21 @@ struct WorkerServer::Impl {
                               update->update_id, update->version));
         return;
       }
+      if (update->phase == OpenUpdate::Phase::kStaging && update->owner == peer && update->update_id == m.update_id &&
+          update->mode == m.mode && SameManifest(update->manifest, m.manifest)) {
+        // A retry of the begin (the trainer missed its ack): acknowledged again, and the update
+        // goes on as it is, with the chunks it has received.
+        update->last_message = Clock::now();
+        log.info("update '{}' (version {}): repeated update_begin acknowledged again", update->update_id,
+                 update->version);
+        UpdateAckMsg ack;
+        ack.id = m.id;
+        ack.update_id = m.update_id;
+        ack.stage = UpdateStage::kBegun;
+        ack.version = engine.policy_version();
+        Send(peer, ack);
+        return;
+      }
       if (update->phase != OpenUpdate::Phase::kPoisoned) {
         SendError(peer, m.id, ErrorCode::kBusy, "",
                   fmt::format("update '{}' (version {}) is open; wait for it to finish or time out "
@@ -828,6 +844,7 @@ struct WorkerServer::Impl {
     u.begin_id = m.id;
     u.mode = m.mode;
     u.version = m.manifest.version;
+    u.manifest = m.manifest;
     u.last_message = Clock::now();
     update = std::move(u);
     log.info("update '{}' begun by peer {}: version {} -> {}, {} tensors, mode {}", m.update_id, Hex(peer), current,
@@ -838,6 +855,15 @@ struct WorkerServer::Impl {
     ack.stage = UpdateStage::kBegun;
     ack.version = current;
     Send(peer, ack);
+  }
+
+  static bool SameManifest(const policy::UpdateManifest& a, const policy::UpdateManifest& b) {
+    auto same_entry = [](const policy::TensorManifestEntry& x, const policy::TensorManifestEntry& y) {
+      return x.name == y.name && x.dtype == y.dtype && x.shape == y.shape && x.num_bytes == y.num_bytes &&
+             x.checksum == y.checksum;
+    };
+    return a.version == b.version && a.partial == b.partial &&
+           std::equal(a.tensors.begin(), a.tensors.end(), b.tensors.begin(), b.tensors.end(), same_entry);
   }
 
   /// The manifest checks that need the model, each answered as `bad_field` naming the field.

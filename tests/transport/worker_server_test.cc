@@ -1153,6 +1153,54 @@ TEST(WorkerServerTest, ASecondUpdateWhileOneIsOpenIsBusy) {
   EXPECT_GE(Clock::now() - t0, std::chrono::milliseconds(250));  // it did wait for the abort
 }
 
+TEST(WorkerServerTest, ARepeatedBeginIsAcknowledgedAgainAndKeepsTheChunksReceived) {
+  // A trainer that missed the "begun" ack of its begin sends it again: the same update goes on,
+  // with the chunks it already has. A begin that differs in anything, or comes from another
+  // connection, is another update: busy while this one is open.
+  WorkerHarness worker;
+  const policy::WeightMap& weights = NewPolicy().weights;
+  auto trainer = Connect(worker.endpoint());
+  auto other = Connect(worker.endpoint());
+  trainer->Send(FullBegin("begin1", "u", weights, 1));
+  EXPECT_EQ(NextAs<UpdateAckMsg>(*trainer).stage, UpdateStage::kBegun);
+  auto it = weights.begin();
+  const auto& [first_name, first_tensor] = *it;
+  trainer->Send(UpdateChunkMsg{"chunk", "u", first_name, 0}, {BytesOf(first_tensor)});
+
+  trainer->Send(FullBegin("begin2", "u", weights, 1));
+  const UpdateAckMsg again = NextAs<UpdateAckMsg>(*trainer);
+  EXPECT_EQ(again.id, "begin2");
+  EXPECT_EQ(again.update_id, "u");
+  EXPECT_EQ(again.stage, UpdateStage::kBegun);
+  EXPECT_EQ(again.version, 0u);
+
+  UpdateBeginMsg other_version = FullBegin("begin3", "u", weights, 2);
+  UpdateBeginMsg other_mode = FullBegin("begin4", "u", weights, 1);
+  other_mode.mode = rollout::InFlightMode::kAbort;
+  UpdateBeginMsg other_checksum = FullBegin("begin5", "u", weights, 1);
+  other_checksum.manifest.tensors.back().checksum ^= 1;
+  UpdateBeginMsg other_partial = FullBegin("begin6", "u", weights, 1);
+  other_partial.manifest.partial = true;
+  for (const UpdateBeginMsg* m : {&other_version, &other_mode, &other_checksum, &other_partial}) {
+    trainer->Send(*m);
+    const ErrorMsg busy = NextAs<ErrorMsg>(*trainer);
+    EXPECT_EQ(busy.id, m->id);
+    EXPECT_EQ(busy.code, ErrorCode::kBusy) << m->id;
+  }
+  other->Send(FullBegin("begin7", "u", weights, 1));
+  EXPECT_EQ(NextAs<ErrorMsg>(*other).code, ErrorCode::kBusy);
+
+  // The chunk sent before the retry still counts: the rest completes the update (a chunk sent
+  // twice would poison it: every byte exactly once).
+  for (++it; it != weights.end(); ++it) trainer->Send(UpdateChunkMsg{"chunk", "u", it->first, 0}, {BytesOf(it->second)});
+  trainer->Send(UpdateCommitMsg{"commit", "u", true});
+  const UpdateAckMsg applied = NextAs<UpdateAckMsg>(*trainer);
+  EXPECT_EQ(applied.id, "commit");
+  EXPECT_EQ(applied.stage, UpdateStage::kApplied);
+  EXPECT_EQ(applied.version, 1u);
+  EXPECT_EQ(applied.weights_checksum, policy::WeightsChecksum(weights));
+}
+
 TEST(WorkerServerTest, ARepeatedCommitOfAVerifiedUpdateIsAnsweredAgainAndALateChunkLeavesItVerified) {
   // A client that missed the "verified" ack of its commit retries it: that must neither verify
   // the bytes a second time nor fail the update, and a stray chunk must not poison it either.
