@@ -87,6 +87,11 @@ Engine::Engine(const policy::Checkpoint& checkpoint, const EngineConfig& config)
         bytes_per_block, static_cast<double>(bytes_per_block) * (int64_t{1} << 30) / 1048576.0));
   }
   const int num_blocks = static_cast<int>(num_blocks64);
+  if (config_.watermark_blocks >= num_blocks) {
+    throw policy::ConfigError(fmt::format(
+        "engine config: watermark_blocks = {} must be less than the KV cache's {} blocks (kv_cache_bytes = {} / {} "
+        "bytes per block)", config_.watermark_blocks, num_blocks, config_.kv_cache_bytes, bytes_per_block));
+  }
   runner_ = std::make_unique<ModelRunner>(
       checkpoint, ModelRunnerConfig{num_blocks, config_.block_size, config_.check_block_versions,
                                     config_.batch_invariant, config_.swap_weight_buffers,

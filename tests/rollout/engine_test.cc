@@ -302,6 +302,16 @@ TEST(EngineTest, AKvCacheSmallerThanTheContextCapsSequencesInsteadOfStallingTheQ
     EXPECT_NE(std::string(e.what()).find("holds 1 tokens of one sequence; a sequence needs >= 2"), std::string::npos)
         << e.what();
   }
+  // A watermark of every block: refused as the engine's configuration, naming the block count.
+  tiny.watermark_blocks = 8;
+  try {
+    Engine no_room(Stories(), tiny);
+    ADD_FAILURE() << "an engine whose watermark holds every block was built";
+  } catch (const policy::ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("engine config: watermark_blocks = 8 must be less than the KV cache's 8 blocks"),
+              std::string::npos)
+        << e.what();
+  }
 }
 
 TEST(EngineTest, StopTokensAndMaxNewTokensAreHonored) {
