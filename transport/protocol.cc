@@ -510,6 +510,7 @@ UpdateAckMsg ParseUpdateAck(const MapReader& m, std::string id) {
   a.num_recomputed = m.OptI32("num_recomputed", 0);
   a.wait_ms = m.OptDouble("wait_ms", 0);
   a.stall_ms = m.OptDouble("stall_ms", 0);
+  a.update_timeout_ms = m.OptU64("update_timeout_ms", 0);
   return a;
 }
 
@@ -897,6 +898,7 @@ struct WorkerEncoder {
     w.Int("num_recomputed", m.num_recomputed);
     w.Double("wait_ms", m.wait_ms);
     w.Double("stall_ms", m.stall_ms);
+    if (m.update_timeout_ms > 0) w.Uint("update_timeout_ms", m.update_timeout_ms);
     return w.Finish();
   }
   std::string operator()(const ControlAckMsg& m) const {

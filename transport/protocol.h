@@ -167,6 +167,10 @@ struct UpdateAckMsg {
   int num_recomputed = 0;
   double wait_ms = 0;   ///< applied only: submit -> swap
   double stall_ms = 0;  ///< applied only: generation paused for the swap
+  /// begun and verified only (0 otherwise): the worker aborts the update after this many
+  /// milliseconds without a message of it (WorkerConfig::update_timeout_ms); a trainer that
+  /// waits longer (for other workers) repeats update_commit apply=false to keep it.
+  uint64_t update_timeout_ms = 0;
 };
 
 /// "pause_ack", "resume_ack", "flush_cache_ack", "shutdown_ack" (kind kStats/kHealth are not acks:

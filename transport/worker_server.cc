@@ -814,6 +814,7 @@ struct WorkerServer::Impl {
         ack.id = m.id;
         ack.update_id = m.update_id;
         ack.stage = UpdateStage::kBegun;
+        ack.update_timeout_ms = static_cast<uint64_t>(config.update_timeout_ms);
         ack.version = engine.policy_version();
         Send(peer, ack);
         return;
@@ -853,6 +854,7 @@ struct WorkerServer::Impl {
     ack.id = m.id;
     ack.update_id = m.update_id;
     ack.stage = UpdateStage::kBegun;
+    ack.update_timeout_ms = static_cast<uint64_t>(config.update_timeout_ms);
     ack.version = current;
     Send(peer, ack);
   }
@@ -980,6 +982,7 @@ struct WorkerServer::Impl {
     ack.id = id;
     ack.update_id = u.update_id;
     ack.stage = UpdateStage::kVerified;
+    ack.update_timeout_ms = static_cast<uint64_t>(config.update_timeout_ms);
     ack.version = engine.policy_version();
     Send(peer, ack);
   }

@@ -171,6 +171,10 @@ TEST(ProtocolTest, ReplyMessagesRoundTrip) {
   EXPECT_EQ(ra.weights_checksum, 0xdb40b7aa04e0f55dULL);
   EXPECT_EQ(ra.num_recomputed, 4);
   EXPECT_EQ(ra.stall_ms, 0.25);
+  EXPECT_EQ(ra.update_timeout_ms, 0u);  // not sent when 0
+  UpdateAckMsg verified{"c", "u", UpdateStage::kVerified, 3};
+  verified.update_timeout_ms = 30000;
+  EXPECT_EQ(RoundTripWorker(verified).update_timeout_ms, 30000u);
 
   rollout::EngineStats e;
   e.num_blocks = 256;

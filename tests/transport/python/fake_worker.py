@@ -65,6 +65,8 @@ class FakeWorker:
         a min_policy_version), sending its client a liveness probe (a health reply with an empty
         id, as the worker's heartbeat_ms probe) every 0.1 s meanwhile.
       fail_verify: commit answers ``update_failed`` (as a real checksum mismatch would).
+      verify_delay_s: the first commit of an update is answered this much later (a worker slow to
+        verify; the fake answers nothing else meanwhile).
       bad_checksum: the applied ack reports a wrong weights_checksum.
     curve_secret_key (constructor): serve with CURVE on (any client key is admitted).
     Observations: received (list of (type, header)), version, weights ({name: fp32 array}),
@@ -86,6 +88,7 @@ class FakeWorker:
         self.delay_with_probes_s = 0.0
         self.num_probes_sent = 0
         self.fail_verify = False
+        self.verify_delay_s = 0.0
         self.busy_begins = 0  # answer this many update_begin messages with error busy
         # "update_chunk", "update_commit" or "update_apply": at the first such message of an open
         # update, act as a worker that shuts down: send the notice (error shutting_down, field
@@ -288,6 +291,8 @@ class FakeWorker:
                     return [self._error(h, "update_failed", f"{name}: checksum mismatch")]
             if self.fail_verify:
                 return [self._error(h, "update_failed", "model.norm.weight: checksum mismatch")]
+            if not u["verified"]:
+                time.sleep(self.verify_delay_s)
             u["verified"] = True
             if h.get("apply", True):
                 return self._apply(h)

@@ -489,6 +489,24 @@ class PushWeightsTest(FakeWorkerTestCase):
         self.assertEqual(self.workers[1].types()[-1], "update_abort")
         self.assertEqual([w.version for w in self.workers], [1, 1])
 
+    def test_a_push_to_a_dead_worker_fails_after_timeout_s_not_twice_that(self):
+        # The dead worker's begin times out (timeout_s); the live one is aborted and answers at
+        # once. The dead one's update_abort is sent but its ack is not awaited: before, the push
+        # waited min(timeout_s, 10 s) more for it.
+        dead, live = self.workers
+        dead.stop()
+        self.client.timeout_s = 2.0
+        started = time.monotonic()
+        with self.assertRaises(WeightUpdateError) as cm:
+            self.client.push_weights(make_weights(1), version=1)
+        elapsed = time.monotonic() - started
+        self.assertEqual(cm.exception.phase, "begin")
+        self.assertIsInstance(cm.exception.failures[dead.endpoint], VrollTimeoutError)
+        self.assertEqual(live.types(), ["update_begin", "update_abort"])
+        self.assertEqual(live.version, 0)
+        self.assertGreaterEqual(elapsed, 2.0)
+        self.assertLess(elapsed, 3.5)
+
     def test_verify_failure_on_one_worker_aborts_both(self):
         self.workers[1].fail_verify = True
         with self.assertRaises(WeightUpdateError) as cm:

@@ -413,6 +413,54 @@ class WorkerRestartTest(unittest.TestCase):
 
 
 @unittest.skipUnless(WORKER, SKIP_REASON)
+class SlowPeerTest(unittest.TestCase):
+    """A real worker whose update_timeout_ms (1 s) is shorter than the wait for a slow second
+    worker (a FakeWorker with the default model's parameters): push_weights keeps the real
+    worker's update open, so the push applies on both, not on the slow one only."""
+
+    def setUp(self):
+        self.tmp = tempfile.TemporaryDirectory(prefix="vroll-e2e-")
+        self.worker = WorkerProcess(f"ipc://{self.tmp.name}/w.sock", self.tmp.name, "w",
+                                    ["--update-timeout-ms", "1000"])
+        from fake_worker import FakeWorker  # tests/transport/python, on PYTHONPATH
+        self.fake = FakeWorker(default_model_shapes())
+        self.client = VrollClient([self.worker.endpoint, self.fake.endpoint], timeout_s=30,
+                                  linger_ms=0)
+
+    def tearDown(self):
+        self.client.close(linger_ms=0)
+        self.fake.stop()
+        self.worker.stop()
+        self.tmp.cleanup()
+
+    def check_applied(self, acks, weights, version):
+        self.assertEqual([(a.worker, a.stage, a.version) for a in acks],
+                         [(self.worker.endpoint, "applied", version),
+                          (self.fake.endpoint, "applied", version)])
+        self.assertEqual({a.weights_checksum for a in acks}, {weights_checksum(weights)})
+        self.assertEqual([h["policy_version"] for h in self.client.health().values()],
+                         [version, version])
+        out = self.client.generate([1, 2], SamplingParams(max_tokens=2),
+                                   endpoints=[self.worker.endpoint])
+        self.assertEqual(out[0].outputs[0].policy_version, version)
+
+    def test_a_verified_worker_outwaits_a_slow_one(self):
+        weights = make_weights(seed=21)
+        self.fake.verify_delay_s = 3.0  # three of the real worker's update timeouts
+        start = time.monotonic()
+        self.check_applied(self.client.push_weights(weights, version=1), weights, 1)
+        self.assertGreaterEqual(time.monotonic() - start, 3.0)
+
+    def test_a_begun_worker_outwaits_a_busy_one(self):
+        weights = make_weights(seed=22)
+        self.fake.busy_begins = 6  # asked again after 0.05 + 0.1 + ... + 1 s: about 2.5 s
+        start = time.monotonic()
+        self.check_applied(self.client.push_weights(weights, version=1), weights, 1)
+        self.assertGreaterEqual(time.monotonic() - start, 2.0)
+        self.assertEqual(self.fake.types().count("update_begin"), 7)
+
+
+@unittest.skipUnless(WORKER, SKIP_REASON)
 class CurveTest(unittest.TestCase):
     def test_trainer_key_may_push_and_client_key_may_only_generate(self):
         def keypair_with_hash():

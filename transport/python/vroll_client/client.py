@@ -44,6 +44,12 @@ _ABORT_TIMEOUT_S = 10.0
 _SILENCE_ABORT_LINGER_MS = 100
 #: Chunks sent between two non-blocking checks for early chunk errors.
 _CHUNKS_PER_ERROR_CHECK = 64
+#: A worker aborts an update that gets no message for its update_timeout_ms (sent in the
+#: ``begun`` ack); a push that waits on other workers sends it a message every third of that.
+_KEEPALIVE_FRACTION = 1.0 / 3.0
+#: The keep-alive period for a worker whose ack does not say its update_timeout_ms (its default
+#: is 30 s).
+_DEFAULT_KEEPALIVE_S = 10.0
 
 
 def _key_bytes(key: KeyLike, what: str) -> bytes:
@@ -392,13 +398,19 @@ class VrollClient:
     def _call(self, workers: Sequence[_Worker], make: Callable[[str], Dict[str, Any]],
               reply_type: str, request: str, timeout_s: Optional[float] = None,
               on_other: Optional[Callable[[_Worker, Dict[str, Any]], bool]] = None,
-              update: bool = False) -> Dict[str, Union[Dict[str, Any], Exception]]:
+              update: bool = False,
+              keepalive_s: Optional[Mapping[str, float]] = None
+              ) -> Dict[str, Union[Dict[str, Any], Exception]]:
         """Sends make(id) to each worker and waits for each one's reply.
 
         Returns {endpoint: reply header | WorkerError | VrollTimeoutError | VrollError} in worker
         order; raises nothing itself. A worker that times out is reset. ``on_other`` sees every
         other message first and returns True when it consumed it. With ``update``, a worker's
         notice that a shutdown aborted the open update (_is_update_shutdown) is its reply.
+        With ``keepalive_s`` ({endpoint: seconds}), a worker that has replied is sent make(id)
+        again every that many seconds while others are still awaited (an update must hear from
+        its trainer within the worker's update_timeout_ms); an error answering one of those
+        becomes the worker's result.
         """
         if self._iterating:  # before anything is sent
             raise RuntimeError("the client is in the middle of a generate_iter() iteration: finish "
@@ -415,15 +427,38 @@ class VrollClient:
                 results[w.endpoint] = exc
                 self._reset(w)
         deadline = time.monotonic() + timeout_s
+        keep_due: Dict[str, float] = {}  # endpoint -> when to send its next keep-alive
+        keep_ids: Dict[str, _Worker] = {}  # keep-alives sent, by message id
         while pending:
-            remaining = deadline - time.monotonic()
+            now = time.monotonic()
+            remaining = deadline - now
             if remaining <= 0:
                 for w in pending.values():
                     results[w.endpoint] = VrollTimeoutError(w.endpoint, request, timeout_s)
                     self._reset(w)
                 break
-            for w, header, _ in self._poll(remaining):
+            for endpoint, due in list(keep_due.items()):
+                if due > now:
+                    continue
+                w = self._by_endpoint[endpoint]
+                id_ = self._next_id("k")
+                try:
+                    self._send(w, make(id_), request=request, block=False)
+                    keep_ids[id_] = w
+                except zmq.Again:
+                    pass  # its queue is full of earlier messages: those keep the update too
+                logger.debug("%s: %s repeated to keep it while other workers are awaited",
+                             endpoint, request)
+                keep_due[endpoint] = now + keepalive_s[endpoint]
+            wait_s = min([remaining] + [due - now for due in keep_due.values()])
+            for w, header, _ in self._poll(max(0.0, wait_s)):
                 id_ = header.get("id")
+                if keep_ids.get(id_) is w:
+                    del keep_ids[id_]
+                    if header.get("type") == "error":
+                        results[w.endpoint] = WorkerError.from_reply(w.endpoint, header, request)
+                        keep_due.pop(w.endpoint, None)
+                    continue
                 if update and _is_update_shutdown(header):
                     # The worker aborted the update: that is its answer, also when its reply to
                     # this call came first (e.g. "begun", then the notice).
@@ -432,6 +467,7 @@ class VrollClient:
                         del pending[mine[0]]
                     if mine or w.endpoint in results:
                         results[w.endpoint] = WorkerError.from_reply(w.endpoint, header, request)
+                        keep_due.pop(w.endpoint, None)
                         continue
                 if pending.get(id_) is not w:
                     if on_other is None or not on_other(w, header):
@@ -443,6 +479,8 @@ class VrollClient:
                     results[w.endpoint] = WorkerError.from_reply(w.endpoint, header, request)
                 elif type_ == reply_type:
                     results[w.endpoint] = header
+                    if keepalive_s is not None and w.endpoint in keepalive_s:
+                        keep_due[w.endpoint] = time.monotonic() + keepalive_s[w.endpoint]
                 else:
                     results[w.endpoint] = VrollError(
                         f"{w.endpoint}: expected {reply_type!r} in reply to {request}, got "
@@ -847,7 +885,10 @@ class VrollClient:
         bytes as sent) -> update_chunk per chunk_bytes of each tensor (raw ZeroMQ frames, sent
         zero-copy from the tensors' memory) -> update_commit apply=false (each worker verifies)
         -> update_apply to all only when all verified. Any failure before apply sends
-        update_abort to every worker: all keep their previous version.
+        update_abort to every worker: all keep their previous version. While it waits for a
+        slow worker, it repeats the begin or the commit to the workers already done every third
+        of their update_timeout_ms (a retry they acknowledge again), so that their update stays
+        open until the apply.
 
         Args:
           named_tensors: {canonical name: torch.Tensor | numpy.ndarray}: float32, float16 or
@@ -899,22 +940,40 @@ class VrollClient:
 
         def fail(phase: str, failures: Mapping[str, Exception]) -> WeightUpdateError:
             # A worker that is shutting down has aborted the update already (and may be gone).
-            self._abort_update([w for w in workers if not (
+            # One that timed out was reset: its abort is sent, but its ack is not awaited.
+            silent = [w for w in workers if isinstance(failures.get(w.endpoint), VrollTimeoutError)]
+            for w in silent:
+                try:
+                    self._send(w, protocol.make_update_abort(update_id, self._next_id("c")),
+                               block=False)
+                except (zmq.Again, VrollError) as exc:
+                    logger.info("%s: update_abort %s not sent: %s", w.endpoint, update_id, exc)
+            self._abort_update([w for w in workers if w not in silent and not (
                 isinstance(failures.get(w.endpoint), WorkerError)
                 and failures[w.endpoint].code == "shutting_down")], update_id)
             return WeightUpdateError(version, update_id, phase, failures)
 
         # Phase 0: every worker opens the update (checks the version, names, shapes, dtypes);
-        # those that answer busy are asked again for up to busy_wait_s.
+        # those that answer busy are asked again for up to busy_wait_s. Meanwhile the workers
+        # that began are sent the same update_begin again (a retry: acked "begun", nothing
+        # changes) every keep-alive period, so that their update_timeout_ms does not end it.
         busy_deadline = time.monotonic() + max(0.0, busy_wait_s)
         backoff_s = 0.05
         begin_on = workers
+        keepalive_s: Dict[str, float] = {}  # from each worker's begun ack
+        keep_due: Dict[str, float] = {}
         while True:
             results = self._call(
                 begin_on, lambda id_: protocol.make_update_begin(update_id, version, manifest,
                                                                 mode, partial, id_),
                 "update_ack", "update_begin", update=True)
             failures = self._stage_failures(results, "begun")
+            for endpoint, result in results.items():
+                if endpoint not in failures:
+                    timeout_ms = result.get("update_timeout_ms")
+                    keepalive_s[endpoint] = (_DEFAULT_KEEPALIVE_S if not timeout_ms
+                                             else _KEEPALIVE_FRACTION * int(timeout_ms) / 1000.0)
+                    keep_due[endpoint] = time.monotonic() + keepalive_s[endpoint]
             busy = [ep for ep, e in failures.items()
                     if isinstance(e, WorkerError) and e.code == "busy"]
             if not failures or len(busy) < len(failures) or time.monotonic() >= busy_deadline:
@@ -922,7 +981,9 @@ class VrollClient:
             logger.info("update %s: busy on %s; asking again in %.2f s", update_id, busy, backoff_s)
             time.sleep(min(backoff_s, max(0.0, busy_deadline - time.monotonic())))
             backoff_s = min(2 * backoff_s, 1.0)
-            begin_on = [self._by_endpoint[ep] for ep in busy]
+            now = time.monotonic()
+            begin_on = [w for w in workers
+                        if w.endpoint in busy or keep_due.get(w.endpoint, now + 1) <= now]
         if failures:
             raise fail("begin", failures)
 
@@ -937,9 +998,13 @@ class VrollClient:
         def on_chunk_error(w: _Worker, header: Dict[str, Any]) -> bool:
             return self._take_chunk_error(w, header, update_id, chunk_errors)
 
+        # A worker that has verified waits for the others: its commit is repeated (a retry: acked
+        # "verified" again) every keep-alive period, so that its update_timeout_ms does not end
+        # the update before the apply, which would apply it on the other workers only.
         results = self._call(
             workers, lambda id_: protocol.make_update_commit(update_id, False, id_),
-            "update_ack", "update_commit(apply=false)", on_other=on_chunk_error, update=True)
+            "update_ack", "update_commit(apply=false)", on_other=on_chunk_error, update=True,
+            keepalive_s=keepalive_s)
         if chunk_errors:
             # A worker's shutdown notice (its commit result here) says more than the errors of
             # the chunks it refused after it: its update is gone, no abort is needed.
