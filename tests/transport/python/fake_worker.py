@@ -61,6 +61,8 @@ class FakeWorker:
       hang_after_accept: answer generate with ``accepted`` only, never with its samples (a hung
         engine).
       reverse: hold samples until the socket is idle, then send them newest first.
+      gate_min_policy_version: a generate whose min_policy_version is above ``version`` is
+        accepted and never answered (as a worker waiting for a push that does not come).
       delay_with_probes_s: hold each accepted request's samples this long (a request waiting on
         a min_policy_version), sending its client a liveness probe (a health reply with an empty
         id, as the worker's heartbeat_ms probe) every 0.1 s meanwhile.
@@ -85,6 +87,7 @@ class FakeWorker:
         self.silent = False
         self.hang_after_accept = False
         self.reverse = False
+        self.gate_min_policy_version = False
         self.delay_with_probes_s = 0.0
         self.num_probes_sent = 0
         self.fail_verify = False
@@ -226,7 +229,8 @@ class FakeWorker:
         max_new = h.get("sampling", {}).get("max_new_tokens", 16)
         replies = [{"v": 1, "type": "accepted", "id": h["id"], "request_id": h["request_id"],
                     "policy_version": self.version}]
-        if self.hang_after_accept:
+        if self.hang_after_accept or (self.gate_min_policy_version and
+                                      h.get("min_policy_version", 0) > self.version):
             return replies
         for i in range(n):
             ids = expected_tokens(prompt, i, max_new, self.vocab_size)

@@ -199,6 +199,34 @@ class GenerateTest(FakeWorkerTestCase):
             client.close(linger_ms=0)
             slow.delay_with_probes_s = 0.0
 
+    def test_requests_for_a_version_one_worker_runs_leave_a_worker_behind_it(self):
+        # One worker runs version 5, the other (restarted, say) version 0 and would hold requests
+        # with min_policy_version 5 until a push that the trainer, waiting for them, never sends.
+        ahead, behind = self.workers
+        ahead.version = 5
+        behind.gate_min_policy_version = True
+        self.client.timeout_s = 30  # a request left behind would wait this long, then fail
+        prompts = [[i + 1] for i in range(8)]
+        started = time.monotonic()
+        outs = self.client.generate(prompts, SamplingParams(max_tokens=2), min_policy_version=5)
+        self.assertLess(time.monotonic() - started, 10)
+        self.assertEqual([o.worker for o in outs], [ahead.endpoint] * 8)
+        self.assertEqual([o.outputs[0].token_ids for o in outs],
+                         [expected_tokens(p, 0, 2, VOCAB) for p in prompts])
+        self.assertEqual({o.outputs[0].policy_version for o in outs}, {5})
+        # Each request sent to the worker behind was aborted there.
+        sent = [h["request_id"] for t, h in behind.received if t == "generate"]
+        self.assertTrue(sent)  # spread over both at first: nothing was known of their versions
+        wait_until(lambda: sorted(h["request_id"] for t, h in behind.received if t == "abort")
+                   == sorted(sent), "the aborts of the requests moved")
+        # Now the client knows: the next call sends nothing to the worker behind, and a call
+        # without a min_policy_version uses both.
+        behind.received.clear()
+        self.client.generate(prompts, SamplingParams(max_tokens=2), min_policy_version=5)
+        self.assertEqual(behind.types(), [])
+        outs = self.client.generate(prompts, SamplingParams(max_tokens=2))
+        self.assertEqual({o.worker for o in outs}, {ahead.endpoint, behind.endpoint})
+
     def test_probes_do_not_hide_a_worker_whose_runnable_requests_make_no_progress(self):
         # The probes come from the worker's transport thread: they say the process is alive, not
         # that its engine progresses (paused, stuck). Requests that could run must still answer

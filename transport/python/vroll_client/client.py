@@ -76,6 +76,9 @@ class _Worker:
         self._linger_ms = linger_ms
         # Replaced by reset().
         self.socket: zmq.Socket = self._connect()
+        # The policy version the worker last reported (accepted, health, probes, update acks);
+        # None: not known (none yet, or its socket was reset: it may have restarted).
+        self.policy_version: Optional[int] = None
         # generate() bookkeeping, reset at the start of every call (reset_generate()).
         self.last_heard = 0.0
         self.reset_generate()
@@ -125,6 +128,7 @@ class _Worker:
         for up to linger_ms (0: dropped at once)."""
         self.socket.close(linger=linger_ms)
         self.socket = self._connect()
+        self.policy_version = None
 
     def close(self, linger_ms: Optional[int] = None) -> None:
         self.socket.close(linger=self._linger_ms if linger_ms is None else linger_ms)
@@ -496,6 +500,8 @@ class VrollClient:
         for endpoint, result in results.items():
             if isinstance(result, Exception):
                 raise result
+            if isinstance(result.get("policy_version"), int):  # health, stats
+                self._by_endpoint[endpoint].policy_version = result["policy_version"]
             out[endpoint] = {k: v for k, v in result.items() if k not in ("v", "type", "id")}
         return out
 
@@ -583,6 +589,8 @@ class VrollClient:
           n: samples per prompt (a GRPO group), 1 <= n <= the worker's max_num_seqs; default:
             each prompt's ``SamplingParams.n``.
           min_policy_version: the workers start a request only once they run this version.
+            Requests go only to workers last known to run it when any does; one waiting on a
+            worker that reports an older version moves to a worker that runs it.
           endpoints: spread over these of the client's workers only (default all), e.g. to
             leave out one that is down.
         Returns:
@@ -698,6 +706,7 @@ class VrollClient:
         queue = collections.deque(requests)
         in_flight: Dict[str, _PendingRequest] = {}
         num_done = 0
+        waits_for_version = any(r.header.get("min_policy_version", 0) > 0 for r in requests)
         try:
             while num_done < len(requests):
                 self._dispatch(workers, queue, in_flight)
@@ -707,6 +716,8 @@ class VrollClient:
                     request = self._on_generate_reply(w, header, queue, in_flight)
                     if request is not None:
                         done.append(request)
+                if waits_for_version:
+                    self._move_from_workers_behind(workers, queue, in_flight)
                 self._check_silence(in_flight)
                 suspended = 0.0
                 for request in done:
@@ -737,7 +748,9 @@ class VrollClient:
                     if w.request_limit is not None:
                         w.request_limit += 1
             n = queue[0].n
-            candidates = [w for w in workers if now >= w.backoff_until and (
+            # A request for a future version goes only to workers known to run it, when any does.
+            eligible = self._running_version(workers, queue[0].header.get("min_policy_version", 0))
+            candidates = [w for w in eligible or workers if now >= w.backoff_until and (
                 w.request_limit is None or w.num_inflight_requests < w.request_limit) and (
                 w.num_inflight_samples == 0 or w.num_inflight_samples + n <= self.max_in_flight)]
             if not candidates:
@@ -758,6 +771,43 @@ class VrollClient:
                 w.last_heard = now
             w.num_inflight_requests += 1
             w.num_inflight_samples += request.n - request.num_received
+
+    @staticmethod
+    def _running_version(workers: Sequence[_Worker], version: int) -> List[_Worker]:
+        """The workers last known to run `version` or a newer one ([] for version 0)."""
+        if version <= 0:
+            return []
+        return [w for w in workers if w.policy_version is not None and w.policy_version >= version]
+
+    def _move_from_workers_behind(self, workers: Sequence[_Worker],
+                                  queue: "collections.deque[_PendingRequest]",
+                                  in_flight: Dict[str, _PendingRequest]) -> None:
+        """Requests waiting on a worker that reported a version below their min_policy_version
+        (one restarted from its initial weights, or left out of a push) while another of
+        `workers` runs it are aborted there and queued again for the workers that run it:
+        they would wait there for a push that may never come, and the trainer waits for them."""
+        behind = []
+        for r in in_flight.values():
+            w, version = r.worker, r.header.get("min_policy_version", 0)
+            if (r.num_received == 0 and w.policy_version is not None and w.policy_version < version
+                    and self._running_version(workers, version)):
+                behind.append(r)
+        if not behind:
+            return
+        self._abort_requests(behind)  # their aborted samples are dropped: the request moved
+        for r in behind:
+            w = r.worker
+            logger.info("%s runs version %d < min_policy_version %d: request %s moves to a "
+                        "worker that runs it", w.endpoint, w.policy_version,
+                        r.header["min_policy_version"], r.request_id)
+            del in_flight[r.request_id]
+            w.num_inflight_requests -= 1
+            w.num_inflight_samples -= r.n
+            if r.accepted:
+                w.num_accepted_requests -= 1
+            r.worker = None
+            r.accepted = False
+        queue.extendleft(reversed(behind))
 
     def _generate_wait_s(self, workers: Sequence[_Worker],
                          queue: "collections.deque[_PendingRequest]") -> float:
@@ -786,6 +836,7 @@ class VrollClient:
                 # than timeout_s); a request that could run must answer within timeout_s, so a
                 # paused or stuck engine is still noticed.
                 version = header.get("policy_version", 0)
+                w.policy_version = int(version)
                 mine = [r for r in in_flight.values() if r.worker is w]
                 if mine and all(r.header.get("min_policy_version", 0) > version for r in mine):
                     w.last_heard = time.monotonic()
@@ -795,6 +846,8 @@ class VrollClient:
         w.last_heard = now
         type_ = header.get("type")
         if type_ == "accepted":
+            if "policy_version" in header:
+                w.policy_version = int(header["policy_version"])
             request.accepted = True
             w.num_accepted_requests += 1
             w.num_overloaded = 0
@@ -1022,6 +1075,8 @@ class VrollClient:
             "update_apply", apply_timeout_s, update=True)
         failures = self._stage_failures(results, "applied")
         acks = [UpdateAck.from_reply(ep, r) for ep, r in results.items() if ep not in failures]
+        for ack in acks:
+            self._by_endpoint[ack.worker].policy_version = ack.version
         if failures:
             self._abort_update([self._by_endpoint[ep] for ep, e in failures.items() if not (
                 isinstance(e, WorkerError) and e.code == "shutting_down")], update_id)
