@@ -112,7 +112,7 @@ def plot(records, out_dir):
     smooth = [sum(r["reward_mean"] for r in records[max(0, i - k + 1) : i + 1]) / len(records[max(0, i - k + 1) : i + 1])
               for i in range(len(records))]
     ax.plot(steps, smooth, label=f"moving average ({k})")
-    ax.set_xlabel("step (policy version = step + 1)")
+    ax.set_xlabel("step (each samples the next policy version)")
     ax.set_ylabel("reward")
     ax.set_title("GRPO on vroll: reward")
     ax.grid(alpha=0.3)
@@ -176,12 +176,13 @@ def main():
     log_path = os.path.join(args.out, "steps.jsonl")
     records = []
     try:
-        client.wait_ready(timeout_s=120)
-        version = 1
+        health = client.wait_ready(timeout_s=120)
+        # Workers that already ran updates (of an earlier run) refuse a version that is not newer.
+        version = max(h["policy_version"] for h in health.values()) + 1
         t_push = time.time()
         client.push_weights(model.hf_state_dict(), version, mode=args.mode)
-        print(f"[grpo] {len(endpoints)} worker(s) at {', '.join(endpoints)}; pushed initial weights as version 1 "
-              f"({time.time() - t_push:.2f} s); reward: {task.describe()}", flush=True)
+        print(f"[grpo] {len(endpoints)} worker(s) at {', '.join(endpoints)}; pushed initial weights as version "
+              f"{version} ({time.time() - t_push:.2f} s); reward: {task.describe()}", flush=True)
         opt = torch.optim.Adam(model.parameters(), lr=args.lr)
         sampling = SamplingParams(temperature=1.0, max_tokens=args.max_tokens)
         start = time.time()
