@@ -649,12 +649,12 @@ Decoded<Message> DecodeHeader(const void* data, size_t size, ParseBody parse_bod
     } catch (const std::exception& e) {
       Fail(ErrorCode::kBadMessage, "", fmt::format("header is not valid msgpack ({})", e.what()));
     }
+    const msgpack::object& root = handle.get();
+    if (root.type != msgpack::type::MAP) {  // first: bytes after a non-map are not "trailing"
+      Fail(ErrorCode::kBadMessage, "", fmt::format("header must be a msgpack map, got {}", KindName(root)));
+    }
     if (offset != size) {
       Fail(ErrorCode::kBadMessage, "", fmt::format("header has {} trailing bytes after the msgpack map", size - offset));
-    }
-    const msgpack::object& root = handle.get();
-    if (root.type != msgpack::type::MAP) {
-      Fail(ErrorCode::kBadMessage, "", fmt::format("header must be a msgpack map, got {}", KindName(root)));
     }
     const MapReader m(root, "");
     if (m.CountKey("id") < 2) id = m.OptStr("id");  // echoed in an error reply when unambiguous

@@ -439,6 +439,25 @@ TEST(ProtocolTest, EveryBadInputClassNamesItsCodeAndField) {
   }
 }
 
+TEST(ProtocolTest, AHeaderThatIsNotAMapIsSaidToBeOneWhateverFollowsIt) {
+  // Bytes after a header that is not a map are not "trailing bytes after the map": the message
+  // names what the header is. Only a whole map followed by more bytes has trailing bytes.
+  const struct {
+    std::string bytes, message;
+  } cases[] = {
+      {"\xff\xfe", "header must be a msgpack map, got int"},
+      {"\x92\x01\x02\x03", "header must be a msgpack map, got array"},
+      {"\xa1x", "header must be a msgpack map, got str"},
+      {GenerateHeader("r").Bytes() + "\x01", "header has 1 trailing bytes after the msgpack map"},
+  };
+  for (const auto& c : cases) {
+    Decoded<ClientMessage> d = DecodeClientMessage(c.bytes.data(), c.bytes.size());
+    ASSERT_FALSE(d.ok()) << c.message;
+    EXPECT_EQ(d.error.code, ErrorCode::kBadMessage) << c.message;
+    EXPECT_EQ(d.error.message, c.message);
+  }
+}
+
 TEST(ProtocolTest, ErrorsEchoTheIdWhenItCouldBeRead) {
   const std::string bytes = GenerateHeader("r", "my-id").Set("n", Value::Int(0)).Bytes();
   Decoded<ClientMessage> d = DecodeClientMessage(bytes.data(), bytes.size());
