@@ -323,6 +323,9 @@ class GenerateTest(FakeWorkerTestCase):
         self.assertEqual(sent["sampling"]["top_k"], 0)
         self.assertEqual(sent["sampling"]["stop_token_ids"], [])
         self.assertEqual(SamplingParams(top_k=-2).to_wire()["top_k"], -2)  # the worker's to refuse
+        # top_k=None (disabled) and max_tokens=None (until the context is full), as vLLM takes them.
+        wire = SamplingParams(top_k=None, max_tokens=None).to_wire()
+        self.assertEqual((wire["top_k"], wire["max_new_tokens"]), (0, 2 ** 31 - 1))
 
     def test_ints_msgpack_cannot_carry_are_refused_naming_the_field(self):
         cases = [

@@ -153,6 +153,12 @@ class TwoWorkersTest(unittest.TestCase):
                 self.assertEqual(c.num_prompt_tokens, len(prompt))
         self.assertEqual(len({tuple(c.token_ids) for c in outs[0].outputs}), 4)
 
+    def test_vllm_none_values_mean_no_top_k_and_until_the_context_is_full(self):
+        outs = self.client.generate([[1, 72, 101]], SamplingParams(max_tokens=None, top_k=None,
+                                                                   seed=3))
+        c = outs[0].outputs[0]
+        self.assertEqual((c.finish_reason, len(c.token_ids)), ("length", 256 - 3))
+
     def test_unseeded_requests_draw_different_samples_on_different_workers(self):
         # The class's workers run without --seed: each draws its own seed stream at random, so
         # the same unseeded request sent to both must not repeat a sample (with one shared default

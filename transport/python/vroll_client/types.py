@@ -16,10 +16,11 @@ class SamplingParams:
       temperature: softmax temperature, >= 0; 0 is greedy (argmax, lowest id on ties).
       top_p: nucleus mass in (0, 1]; 1 disables it. Applied after top_k, to the renormalized
         probabilities, as vLLM does.
-      top_k: keep the k most likely tokens; 0 (or -1, vLLM's value) disables it. Tokens of exactly equal probability
-        rank by lower id, so exactly k are kept (vLLM keeps every token tied with the k-th); the
-        nucleus of top_p is cut the same way.
-      max_tokens: generated tokens per sample, >= 1 (the protocol's ``max_new_tokens``).
+      top_k: keep the k most likely tokens; 0 (or -1 or None, vLLM's values) disables it.
+        Tokens of exactly equal probability rank by lower id, so exactly k are kept (vLLM keeps
+        every token tied with the k-th); the nucleus of top_p is cut the same way.
+      max_tokens: generated tokens per sample, >= 1 (the protocol's ``max_new_tokens``); None,
+        as in vLLM: until the context is full (finish reason ``length`` there).
       stop_token_ids: generating one of these ends the sample with finish reason ``stop``
         (None: none, as vLLM's default).
       include_stop_token: whether the stop token (and its logprob) is part of the output.
@@ -37,8 +38,8 @@ class SamplingParams:
 
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = 0
-    max_tokens: int = 16
+    top_k: Optional[int] = 0
+    max_tokens: Optional[int] = 16
     stop_token_ids: Optional[List[int]] = field(default_factory=list)
     include_stop_token: bool = True
     seed: Optional[int] = None
@@ -59,7 +60,8 @@ class SamplingParams:
             "temperature": protocol.wire_float(self.temperature, "sampling.temperature"),
             "top_p": protocol.wire_float(self.top_p, "sampling.top_p"),
             "top_k": _wire_top_k(self.top_k),
-            "max_new_tokens": protocol.wire_int(self.max_tokens, "sampling.max_tokens"),
+            "max_new_tokens": (_MAX_NEW_TOKENS_UNBOUNDED if self.max_tokens is None
+                               else protocol.wire_int(self.max_tokens, "sampling.max_tokens")),
             "stop_token_ids": protocol._token_ids([] if self.stop_token_ids is None else self.stop_token_ids,
                                                   "sampling.stop_token_ids"),
             "include_stop_token": _wire_bool(self.include_stop_token, "sampling.include_stop_token"),
@@ -69,8 +71,14 @@ class SamplingParams:
         return wire
 
 
+#: max_new_tokens sent for max_tokens=None: the protocol's largest, so the context bounds it.
+_MAX_NEW_TOKENS_UNBOUNDED = 2 ** 31 - 1
+
+
 def _wire_top_k(value: Any) -> int:
-    """top_k for the wire: -1, vLLM's "disabled", becomes the protocol's 0."""
+    """top_k for the wire: -1 and None, vLLM's "disabled", become the protocol's 0."""
+    if value is None:
+        return 0
     top_k = protocol.wire_int(value, "sampling.top_k")
     return 0 if top_k == -1 else top_k
 
