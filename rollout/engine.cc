@@ -425,6 +425,7 @@ void Engine::PublishStats() {
   counters_.num_used_blocks = kv.num_used_blocks;
   counters_.peak_used_blocks = std::max(counters_.peak_used_blocks, kv.num_used_blocks);
   counters_.num_cached_blocks = kv.num_cached_blocks;
+  counters_.num_retired_blocks = kv.num_retired_blocks;
   const int64_t admitted = kv.num_prefix_hit_tokens + kv.num_prefix_miss_tokens;
   counters_.prefix_hit_rate = admitted > 0 ? static_cast<double>(kv.num_prefix_hit_tokens) / admitted : 0.0;
   counters_.num_preemptions = scheduler_->num_preemptions();

@@ -115,6 +115,10 @@ struct EngineStats {
   /// can show used blocks with nothing running and nothing cached.
   int num_used_blocks = 0;
   int num_cached_blocks = 0;   ///< KV blocks indexed by the current version's prefix cache
+  /// Of num_used_blocks: KV blocks indexed by an older version's prefix cache (retired by a
+  /// weight update, awaiting reclaim; a sequence admitted before the update may still hold
+  /// some). An idle engine after an update: used = retired, until steps or FlushCache reclaim them.
+  int num_retired_blocks = 0;
   int peak_used_blocks = 0;    ///< most blocks in use after any step
   double prefix_hit_rate = 0;  ///< prompt tokens served from the prefix cache / prompt tokens admitted
   int64_t num_steps = 0;

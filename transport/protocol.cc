@@ -524,6 +524,7 @@ StatsMsg ParseStats(const MapReader& m, std::string id) {
   e.num_free_blocks = m.OptI32("num_free_blocks", 0);
   e.num_used_blocks = m.OptI32("num_used_blocks", 0);
   e.num_cached_blocks = m.OptI32("num_cached_blocks", 0);
+  e.num_retired_blocks = m.OptI32("num_retired_blocks", 0);
   e.peak_used_blocks = m.OptI32("peak_used_blocks", 0);
   e.prefix_hit_rate = m.OptDouble("prefix_hit_rate", 0);
   e.num_steps = m.OptI64("num_steps", 0);
@@ -914,6 +915,7 @@ struct WorkerEncoder {
     w.Int("num_free_blocks", e.num_free_blocks);
     w.Int("num_used_blocks", e.num_used_blocks);
     w.Int("num_cached_blocks", e.num_cached_blocks);
+    w.Int("num_retired_blocks", e.num_retired_blocks);
     w.Int("peak_used_blocks", e.peak_used_blocks);
     w.Double("prefix_hit_rate", e.prefix_hit_rate);
     w.Int("num_steps", e.num_steps);

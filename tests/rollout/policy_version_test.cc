@@ -96,6 +96,29 @@ TEST_F(PolicyVersionTest, UpdateInvalidatesThePrefixCacheAndNewLogprobsMatchTheN
   EXPECT_GT(MaxAbsDiff(after.logprobs, Recompute(base_, base_.weights, prompt, after.output_ids, 1.0)), 1e-3);
 }
 
+TEST_F(PolicyVersionTest, StatsCountTheBlocksAnUpdateRetiresUntilTheyAreReclaimed) {
+  Engine e(base_, config_);
+  (void)e.Generate({MakeRequest("a", Prompt(70, 1), 10)});
+  EngineStats s = e.stats();
+  const int cached = s.num_cached_blocks;
+  EXPECT_GT(cached, 0);
+  EXPECT_EQ(s.num_used_blocks, cached);  // idle: only the prefix cache holds blocks
+  EXPECT_EQ(s.num_retired_blocks, 0);
+  ASSERT_TRUE(e.UpdateWeights(Perturbed(base_, 1), 1).ok);
+  s = e.stats();
+  // Nothing runs and nothing is cached under version 1: every used block is a retired one.
+  EXPECT_EQ(s.num_running, 0);
+  EXPECT_EQ(s.num_cached_blocks, 0);
+  EXPECT_EQ(s.num_retired_blocks, cached);
+  EXPECT_EQ(s.num_used_blocks, cached);
+  EXPECT_EQ(s.num_free_blocks + s.num_used_blocks, s.num_blocks);
+  // A step reclaims them (a bounded number per step: 64 here covers them).
+  (void)e.Generate({MakeRequest("b", Prompt(5, 2), 2)});
+  s = e.stats();
+  EXPECT_EQ(s.num_retired_blocks, 0);
+  EXPECT_EQ(s.num_used_blocks, s.num_cached_blocks);
+}
+
 TEST_F(PolicyVersionTest, FailedUpdatesNeverPublishAVersion) {
   Engine e(base_, config_);
   const Request greedy = MakeRequest("g", Prompt(20, 2), 15, 0.0);

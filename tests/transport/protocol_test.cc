@@ -180,11 +180,13 @@ TEST(ProtocolTest, ReplyMessagesRoundTrip) {
   e.num_blocks = 256;
   e.num_generated_tokens = int64_t{1} << 40;
   e.prefix_hit_rate = 0.75;
+  e.num_retired_blocks = 17;
   e.policy_version = 3;
   const StatsMsg rst = RoundTripWorker(StatsMsg{"s", e});
   EXPECT_EQ(rst.stats.num_blocks, 256);
   EXPECT_EQ(rst.stats.num_generated_tokens, int64_t{1} << 40);
   EXPECT_EQ(rst.stats.prefix_hit_rate, 0.75);
+  EXPECT_EQ(rst.stats.num_retired_blocks, 17);
   EXPECT_EQ(rst.stats.policy_version, 3u);
 
   const HealthMsg rh = RoundTripWorker(HealthMsg{"h", true, 5, {259, 256, 64, 4, 200}, 1});
