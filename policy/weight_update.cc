@@ -392,11 +392,12 @@ std::string WeightUpdateStaging::Prefix() const {
   return fmt::format("weight update to version {}: ", pending_version_);
 }
 
-UpdateStatus WeightUpdateStaging::Poison(std::string cause) {
+UpdateStatus WeightUpdateStaging::Poison(std::string cause, std::string tensor) {
   state_ = State::kPoisoned;
   poison_cause_ = std::move(cause);
+  poison_tensor_ = std::move(tensor);
   verified_.clear();
-  return UpdateStatus::Error(poison_cause_);
+  return UpdateStatus::Error(poison_cause_, poison_tensor_);
 }
 
 std::string WeightUpdateStaging::UnknownNameMessage(const std::string& name) const {
@@ -427,27 +428,31 @@ UpdateStatus WeightUpdateStaging::CheckManifest(const UpdateManifest& manifest, 
   if (manifest.tensors.empty()) return UpdateStatus::Error(Prefix() + "refused: the manifest names no tensors");
   for (const TensorManifestEntry& entry : manifest.tensors) {
     const auto it = index_by_name_.find(entry.name);
-    if (it == index_by_name_.end()) return UpdateStatus::Error(Prefix() + UnknownNameMessage(entry.name));
+    if (it == index_by_name_.end()) return UpdateStatus::Error(Prefix() + UnknownNameMessage(entry.name), entry.name);
     const ParamSpec& param = params_[it->second];
     Slot& slot = slots_[it->second];
     if (slot.in_manifest) {
-      return UpdateStatus::Error(fmt::format("{}tensor {}: listed twice in the manifest", Prefix(), entry.name));
+      return UpdateStatus::Error(fmt::format("{}tensor {}: listed twice in the manifest", Prefix(), entry.name),
+                                 entry.name);
     }
     slot.in_manifest = true;
     manifest_slots_.push_back(it->second);
     if (!IsValidDType(entry.dtype)) {
       return UpdateStatus::Error(fmt::format("{}tensor {}: dtype {} is not one of float32, float16, bfloat16",
-                                             Prefix(), entry.name, DTypeName(entry.dtype)));
+                                             Prefix(), entry.name, DTypeName(entry.dtype)),
+                                 entry.name);
     }
     if (entry.shape != param.shape) {
       return UpdateStatus::Error(fmt::format("{}tensor {}: shape {} does not match the model's {}", Prefix(),
-                                             entry.name, ShapeString(entry.shape), ShapeString(param.shape)));
+                                             entry.name, ShapeString(entry.shape), ShapeString(param.shape)),
+                                 entry.name);
     }
     const uint64_t expected_bytes = slot.numel * DTypeSize(entry.dtype);
     if (entry.num_bytes != expected_bytes) {
       return UpdateStatus::Error(fmt::format("{}tensor {}: num_bytes {} != {} ({} elements of {}, {} bytes each)",
                                              Prefix(), entry.name, entry.num_bytes, expected_bytes, slot.numel,
-                                             DTypeName(entry.dtype), DTypeSize(entry.dtype)));
+                                             DTypeName(entry.dtype), DTypeSize(entry.dtype)),
+                                 entry.name);
     }
     slot.dtype = entry.dtype;
     slot.num_bytes = entry.num_bytes;
@@ -459,7 +464,8 @@ UpdateStatus WeightUpdateStaging::CheckManifest(const UpdateManifest& manifest, 
         return UpdateStatus::Error(
             fmt::format("{}tensor {}: missing from a full update (the manifest names {} of the model's {} "
                         "parameters; set partial = true to update a subset)",
-                        Prefix(), params_[i].name, manifest_slots_.size(), params_.size()));
+                        Prefix(), params_[i].name, manifest_slots_.size(), params_.size()),
+            params_[i].name);
       }
     }
   }
@@ -475,7 +481,7 @@ UpdateStatus WeightUpdateStaging::Begin(const UpdateManifest& manifest, PolicyVe
   Abort();
   pending_version_ = manifest.version;
   UpdateStatus status = CheckManifest(manifest, current_version);
-  if (!status.ok()) return Poison(status.error());
+  if (!status.ok()) return Poison(status.error(), status.tensor());
   for (size_t index : manifest_slots_) {
     Slot& slot = slots_[index];
     slot.written.clear();
@@ -517,19 +523,23 @@ UpdateStatus WeightUpdateStaging::Write(const std::string& name, uint64_t offset
     case State::kIdle: return UpdateStatus::Error(fmt::format("weight update: {} refused: no transaction is open", what()));
     case State::kPoisoned:
       return UpdateStatus::Error(fmt::format("{}{} refused: the transaction is poisoned: {}", Prefix(), what(),
-                                             poison_cause_));
-    case State::kVerified: return Poison(fmt::format("{}{} after Verify", Prefix(), what()));
+                                             poison_cause_),
+                                 poison_tensor_);
+    case State::kVerified: return Poison(fmt::format("{}{} after Verify", Prefix(), what()), name);
     case State::kStaging: break;
   }
   const auto it = index_by_name_.find(name);
   if (it == index_by_name_.end()) {
-    return Poison(fmt::format("{}{} (byte offset {})", Prefix(), UnknownNameMessage(name), offset));
+    return Poison(fmt::format("{}{} (byte offset {})", Prefix(), UnknownNameMessage(name), offset), name);
   }
   Slot& slot = slots_[it->second];
-  if (!slot.in_manifest) return Poison(fmt::format("{}{}: tensor is not in this update's manifest", Prefix(), what()));
+  if (!slot.in_manifest) {
+    return Poison(fmt::format("{}{}: tensor is not in this update's manifest", Prefix(), what()), name);
+  }
   if (offset > slot.num_bytes || num_bytes > slot.num_bytes - offset) {
     return Poison(fmt::format("{}{}: out of range, the tensor has {} bytes [0, {})", Prefix(), what(), slot.num_bytes,
-                              slot.num_bytes));
+                              slot.num_bytes),
+                  name);
   }
   if (num_bytes == 0) return UpdateStatus::Ok();
 
@@ -546,11 +556,13 @@ UpdateStatus WeightUpdateStaging::Write(const std::string& name, uint64_t offset
   const bool has_prev = next != written.begin();
   if (has_prev && std::prev(next)->second > begin) {
     return Poison(fmt::format("{}{}: bytes [{}, {}) overlap bytes [{}, {}) already written", Prefix(), what(), begin,
-                              end, std::prev(next)->first, std::prev(next)->second));
+                              end, std::prev(next)->first, std::prev(next)->second),
+                  name);
   }
   if (next != written.end() && next->first < end) {
     return Poison(fmt::format("{}{}: bytes [{}, {}) overlap bytes [{}, {}) already written", Prefix(), what(), begin,
-                              end, next->first, next->second));
+                              end, next->first, next->second),
+                  name);
   }
   const bool joins_prev = has_prev && std::prev(next)->second == begin;
   const bool joins_next = next != written.end() && next->first == end;
@@ -696,14 +708,16 @@ void WeightUpdateStaging::HashPrefix(Slot& slot, uint64_t end, const uint8_t* by
   slot.num_checked_elems = num_elems;
 }
 
-std::string NonFiniteWeightError(const std::vector<VerifiedTensor>& verified) {
+UpdateStatus CheckWeightsFinite(const std::vector<VerifiedTensor>& verified) {
   for (const VerifiedTensor& t : verified) {
     if (t.first_nonfinite) {
       const uint64_t i = *t.first_nonfinite;
-      return fmt::format("tensor {}: element {} is {} (weights must be finite)", t.param->name, i, (*t.values)[i]);
+      return UpdateStatus::Error(
+          fmt::format("tensor {}: element {} is {} (weights must be finite)", t.param->name, i, (*t.values)[i]),
+          t.param->name);
     }
   }
-  return "";
+  return UpdateStatus::Ok();
 }
 
 UpdateStatus WeightUpdateStaging::Verify() {
@@ -711,7 +725,7 @@ UpdateStatus WeightUpdateStaging::Verify() {
     case State::kIdle: return UpdateStatus::Error("weight update: Verify refused: no transaction is open");
     case State::kPoisoned:
       return UpdateStatus::Error(
-          fmt::format("{}Verify refused: the transaction is poisoned: {}", Prefix(), poison_cause_));
+          fmt::format("{}Verify refused: the transaction is poisoned: {}", Prefix(), poison_cause_), poison_tensor_);
     case State::kVerified: return Poison(Prefix() + "Verify called twice");
     case State::kStaging: break;
   }
@@ -735,7 +749,8 @@ UpdateStatus WeightUpdateStaging::Verify() {
       }
     }
     return Poison(fmt::format("{}tensor {}: incomplete, {} of {} bytes written; first missing bytes [{}, {})",
-                              Prefix(), params_[index].name, num_written, slot.num_bytes, gap_begin, gap_end));
+                              Prefix(), params_[index].name, num_written, slot.num_bytes, gap_begin, gap_end),
+                  params_[index].name);
   }
   // 2. Checksums over the raw source bytes as sent: hashed as they arrived (Write), so only bytes
   // that never joined a growing prefix are left (none when chunks come in order).
@@ -748,7 +763,8 @@ UpdateStatus WeightUpdateStaging::Verify() {
       return Poison(fmt::format(
           "{}tensor {}: checksum mismatch: manifest says {:#018x}, the {} {} bytes received hash to {:#018x} "
           "(XXH3_64bits, seed 0)",
-          Prefix(), params_[index].name, slot.checksum, slot.num_bytes, DTypeName(slot.dtype), actual));
+          Prefix(), params_[index].name, slot.checksum, slot.num_bytes, DTypeName(slot.dtype), actual),
+          params_[index].name);
     }
   }
   // 3. 16-bit sources were converted when complete (Finalize); only tensors that no write
@@ -789,6 +805,7 @@ void WeightUpdateStaging::Abort() {
   manifest_slots_.clear();
   verified_.clear();
   poison_cause_.clear();
+  poison_tensor_.clear();
   pending_version_ = 0;
   transaction_id_ = 0;
   state_ = State::kIdle;

@@ -162,17 +162,26 @@ struct ParamSpec {
 /// for a bad write). Expected failures of an update are values, never exceptions.
 class [[nodiscard]] UpdateStatus {
  public:
-  static UpdateStatus Ok() { return UpdateStatus(true, {}); }
-  static UpdateStatus Error(std::string message) { return UpdateStatus(false, std::move(message)); }
+  static UpdateStatus Ok() { return UpdateStatus(true, {}, {}); }
+  /// `tensor`: the parameter the error is about, when it is about one (also named in `message`).
+  static UpdateStatus Error(std::string message, std::string tensor = {}) {
+    return UpdateStatus(false, std::move(message), std::move(tensor));
+  }
 
   bool ok() const { return ok_; }
   /// Empty when ok().
   const std::string& error() const { return error_; }
+  /// The canonical name of the tensor the error is about (a bad chunk, an incomplete tensor, a
+  /// checksum mismatch, a non-finite value, a manifest entry); empty when ok() or when the error
+  /// is about no one tensor. A poisoned transaction's later errors carry its cause's tensor.
+  const std::string& tensor() const { return tensor_; }
 
  private:
-  UpdateStatus(bool ok, std::string error) : ok_(ok), error_(std::move(error)) {}
+  UpdateStatus(bool ok, std::string error, std::string tensor)
+      : ok_(ok), error_(std::move(error)), tensor_(std::move(tensor)) {}
   bool ok_;
   std::string error_;
+  std::string tensor_;
 };
 
 /// A borrowed run of fp32 values: `size()` floats at `data()`.
@@ -206,10 +215,11 @@ struct VerifiedTensor {
   std::optional<uint64_t> first_nonfinite;
 };
 
-/// Empty when every verified tensor is finite; otherwise "tensor NAME: element I is nan (weights
-/// must be finite)" for the first tensor (in `verified` order) holding a NaN or infinity. Reads
-/// no weights but that one element (first_nonfinite was found while staging).
-std::string NonFiniteWeightError(const std::vector<VerifiedTensor>& verified);
+/// Ok when every verified tensor is finite; otherwise an error "tensor NAME: element I is nan
+/// (weights must be finite)" with tensor() NAME, for the first tensor (in `verified` order)
+/// holding a NaN or infinity. Reads no weights but that one element (first_nonfinite was found
+/// while staging).
+UpdateStatus CheckWeightsFinite(const std::vector<VerifiedTensor>& verified);
 
 /// Told about a WeightUpdateStaging's transaction as it goes, so that work on the staged values
 /// (packing them for the CPU GEMM: policy/weight_prepack.h) overlaps the transfer of the rest,
@@ -448,7 +458,7 @@ class WeightUpdateStaging {
   /// elements [num_prefix_elems, elem_end) (null: read them from the staged buffer).
   void ReportPrefix(size_t index, uint64_t elem_end, const float* values = nullptr);
 
-  UpdateStatus Poison(std::string cause);
+  UpdateStatus Poison(std::string cause, std::string tensor = {});
   UpdateStatus CheckManifest(const UpdateManifest& manifest, PolicyVersion current_version);
   std::string UnknownNameMessage(const std::string& name) const;
   std::string Prefix() const;
@@ -465,6 +475,7 @@ class WeightUpdateStaging {
   State state_ = State::kIdle;
   PolicyVersion pending_version_ = 0;
   std::string poison_cause_;
+  std::string poison_tensor_;  // the tensor of poison_cause_, if it is about one
   std::vector<Slot> slots_;             // parallel to params_; never resized after construction
   std::vector<size_t> manifest_slots_;  // slot indices in manifest order (capacity reused)
   std::vector<VerifiedTensor> verified_;

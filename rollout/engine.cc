@@ -570,8 +570,8 @@ SubmitStatus Engine::SubmitUpdate(policy::WeightUpdateStaging* staging, InFlight
   // A NaN or infinite weight would turn every logit into NaN: refuse it here, on the caller's
   // thread (outside the engine's stall), naming the tensor and the element. The staging found
   // them while the bytes arrived, so this reads no weights.
-  if (std::string error = policy::NonFiniteWeightError(staging->verified()); !error.empty()) {
-    return {SubmitStatus::Code::kInvalid, std::move(error)};
+  if (const policy::UpdateStatus finite = policy::CheckWeightsFinite(staging->verified()); !finite.ok()) {
+    return {SubmitStatus::Code::kInvalid, finite.error()};
   }
   {
     std::lock_guard<std::mutex> lock(mu_);

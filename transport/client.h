@@ -51,6 +51,8 @@ class WorkerError : public TransportError {
   explicit WorkerError(ErrorMsg error);
   ErrorCode code() const { return error_.code; }
   const std::string& field() const { return error_.field; }
+  /// update_failed about one tensor: its name (ErrorMsg::tensor); else empty.
+  const std::string& tensor() const { return error_.tensor; }
   const ErrorMsg& error() const { return error_; }
 
  private:

@@ -563,7 +563,7 @@ WorkerMessage ParseWorkerBody(const std::string& type, const MapReader& m, std::
     const std::string code = m.Str("code");
     std::optional<ErrorCode> parsed = ParseErrorCode(code);
     if (!parsed) BadField("code", fmt::format("= '{}' is not a known error code", code));
-    return ErrorMsg{std::move(id), *parsed, m.OptStr("field"), m.OptStr("message")};
+    return ErrorMsg{std::move(id), *parsed, m.OptStr("field"), m.OptStr("message"), m.OptStr("tensor")};
   }
   for (ControlKind kind : {ControlKind::kPause, ControlKind::kResume, ControlKind::kFlushCache, ControlKind::kShutdown}) {
     if (type == std::string(ControlKindName(kind)) + "_ack") return ControlAckMsg{std::move(id), kind};
@@ -946,6 +946,7 @@ struct WorkerEncoder {
     w.Str("code", ErrorCodeName(m.code));
     if (!m.field.empty()) w.Str("field", m.field);
     w.Str("message", m.message);
+    if (!m.tensor.empty()) w.Str("tensor", m.tensor);
     return w.Finish();
   }
 };

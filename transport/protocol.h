@@ -214,6 +214,9 @@ struct ErrorMsg {
   ErrorCode code = ErrorCode::kBadMessage;
   std::string field;
   std::string message;
+  /// update_failed about one tensor (a bad chunk, an incomplete tensor, a checksum mismatch, a
+  /// non-finite value, a manifest entry the staging refused): its canonical name; else empty.
+  std::string tensor;
 };
 
 using WorkerMessage = std::variant<AcceptedMsg, SampleMsg, AbortAckMsg, UpdateAckMsg, ControlAckMsg, StatsMsg,

@@ -255,6 +255,7 @@ struct WorkerServer::Impl {
     PolicyVersion version = 0;
     Clock::time_point last_message;
     std::string cause;      // kPoisoned: why
+    std::string cause_tensor;  // kPoisoned: the tensor the cause is about, if one
     uint64_t serial = 0;    // kApplying: the submission the engine will acknowledge
     std::string ack_peer;   // kApplying: who gets the applied ack, and its message id
     std::string ack_id;
@@ -551,10 +552,15 @@ struct WorkerServer::Impl {
   }
 
   void SendError(const std::string& peer, const std::string& id, ErrorCode code, std::string field,
-                 std::string message) {
+                 std::string message, std::string tensor = {}) {
     log.debug("error {} to peer {} (id '{}'): {}{}{}", ErrorCodeName(code), Hex(peer), id, field,
               field.empty() ? "" : ": ", message);
-    Send(peer, ErrorMsg{id, code, std::move(field), std::move(message)});
+    Send(peer, ErrorMsg{id, code, std::move(field), std::move(message), std::move(tensor)});
+  }
+
+  /// An update_failed error for a staging failure, naming its tensor when it is about one.
+  void SendUpdateFailed(const std::string& peer, const std::string& id, const policy::UpdateStatus& st) {
+    SendError(peer, id, ErrorCode::kUpdateFailed, "", st.error(), st.tensor());
   }
 
   // ---- Requests ---------------------------------------------------------------------------------
@@ -760,16 +766,17 @@ struct WorkerServer::Impl {
     return &*update;
   }
 
-  void Poison(OpenUpdate& u, const std::string& cause) {
+  void Poison(OpenUpdate& u, const policy::UpdateStatus& st) {
     u.phase = OpenUpdate::Phase::kPoisoned;
-    u.cause = cause;
-    log.warn("update '{}' (version {}) failed: {}", u.update_id, u.version, cause);
+    u.cause = st.error();
+    u.cause_tensor = st.tensor();
+    log.warn("update '{}' (version {}) failed: {}", u.update_id, u.version, u.cause);
   }
 
   /// Answers the messages a poisoned or applying update refuses; returns whether it answered.
   bool RefuseByPhase(const std::string& peer, const std::string& id, const OpenUpdate& u, const char* what) {
     if (u.phase == OpenUpdate::Phase::kPoisoned) {
-      SendError(peer, id, ErrorCode::kUpdateFailed, "", u.cause);
+      SendError(peer, id, ErrorCode::kUpdateFailed, "", u.cause, u.cause_tensor);
       return true;
     }
     if (u.phase == OpenUpdate::Phase::kApplying) {
@@ -836,7 +843,7 @@ struct WorkerServer::Impl {
     if (!st.ok()) {
       staging->Abort();
       log.warn("update '{}' refused at begin: {}", m.update_id, st.error());
-      SendError(peer, m.id, ErrorCode::kUpdateFailed, "", st.error());
+      SendUpdateFailed(peer, m.id, st);
       return;
     }
     OpenUpdate u;
@@ -936,8 +943,8 @@ struct WorkerServer::Impl {
     // The bytes go straight from the ZeroMQ frame into the staging buffer.
     const policy::UpdateStatus st = staging->Write(m.name, m.offset, bytes.data(), bytes.size());
     if (!st.ok()) {
-      Poison(*u, st.error());
-      SendError(peer, m.id, ErrorCode::kUpdateFailed, "", st.error());
+      Poison(*u, st);
+      SendUpdateFailed(peer, m.id, st);
     }
   }
 
@@ -957,15 +964,15 @@ struct WorkerServer::Impl {
     }
     const policy::UpdateStatus st = staging->Verify();
     if (!st.ok()) {
-      Poison(*u, st.error());
-      SendError(peer, m.id, ErrorCode::kUpdateFailed, "", st.error());
+      Poison(*u, st);
+      SendUpdateFailed(peer, m.id, st);
       return;
     }
     // "verified" promises that update_apply will be accepted: a NaN or infinite weight, which
     // the engine refuses, is refused here already (phase one of a two-phase push then fails).
-    if (const std::string error = policy::NonFiniteWeightError(staging->verified()); !error.empty()) {
-      Poison(*u, error);
-      SendError(peer, m.id, ErrorCode::kUpdateFailed, "", error);
+    if (const policy::UpdateStatus finite = policy::CheckWeightsFinite(staging->verified()); !finite.ok()) {
+      Poison(*u, finite);
+      SendUpdateFailed(peer, m.id, finite);
       return;
     }
     if (m.apply) {

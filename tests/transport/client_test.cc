@@ -168,7 +168,8 @@ class ShuttingDownWorker {
         reply = ack;
       } else if (type == notice_after_ && !noticed) {
         noticed = true;
-        reply = ErrorMsg{begin_id, ErrorCode::kShuttingDown, "update_id", "update aborted: the worker is shutting down"};
+        reply = ErrorMsg{begin_id, ErrorCode::kShuttingDown, "update_id",
+                         "update aborted: the worker is shutting down", ""};
       } else {
         continue;
       }

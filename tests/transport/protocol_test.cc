@@ -212,13 +212,16 @@ TEST(ProtocolTest, ReplyMessagesRoundTrip) {
   for (ControlKind k : {ControlKind::kPause, ControlKind::kResume, ControlKind::kFlushCache, ControlKind::kShutdown}) {
     EXPECT_EQ(RoundTripWorker(ControlAckMsg{"x", k}).kind, k);
   }
-  const ErrorMsg err = RoundTripWorker(ErrorMsg{"", ErrorCode::kBadField, "prompt[3]", "outside"});
+  const ErrorMsg err = RoundTripWorker(ErrorMsg{"", ErrorCode::kBadField, "prompt[3]", "outside", ""});
   EXPECT_EQ(err.code, ErrorCode::kBadField);
   EXPECT_EQ(err.field, "prompt[3]");
+  EXPECT_EQ(err.tensor, "");
+  EXPECT_EQ(RoundTripWorker(ErrorMsg{"", ErrorCode::kUpdateFailed, "", "checksum", "model.norm.weight"}).tensor,
+            "model.norm.weight");
 }
 
 TEST(ProtocolTest, ErrorRepliesAlwaysCarryAnId) {
-  const std::string bytes = EncodeWorkerMessage(ErrorMsg{"", ErrorCode::kBadMessage, "", "not msgpack"});
+  const std::string bytes = EncodeWorkerMessage(ErrorMsg{"", ErrorCode::kBadMessage, "", "not msgpack", ""});
   msgpack::object_handle h = msgpack::unpack(bytes.data(), bytes.size());
   std::map<std::string, msgpack::object> m = h.get().as<std::map<std::string, msgpack::object>>();
   ASSERT_EQ(m.count("id"), 1u);

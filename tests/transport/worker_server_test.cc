@@ -1085,15 +1085,75 @@ TEST(WorkerServerTest, APoisonedUpdateRefusesLaterMessagesWithTheSameCauseUntilA
   const ErrorMsg poisoned = NextAs<ErrorMsg>(*trainer);
   EXPECT_EQ(poisoned.code, ErrorCode::kUpdateFailed);
   EXPECT_NE(poisoned.message.find("model.norm.weight"), std::string::npos) << poisoned.message;
+  EXPECT_EQ(poisoned.tensor, "model.norm.weight");
   trainer->Send(UpdateCommitMsg{"commit", "bad", true});
   const ErrorMsg again = NextAs<ErrorMsg>(*trainer);
   EXPECT_EQ(again.code, ErrorCode::kUpdateFailed);
   EXPECT_EQ(again.message, poisoned.message);
+  EXPECT_EQ(again.tensor, "model.norm.weight");
   const UpdateAckMsg aborted = trainer->AbortUpdate("bad");
   EXPECT_EQ(aborted.stage, UpdateStage::kAborted);
   EXPECT_EQ(aborted.version, 0u);
   EXPECT_EQ(trainer->Health().policy_version, 0u);
   EXPECT_EQ(trainer->PushWeights(NewPolicy().weights, 1).version, 1u);  // a new update works
+}
+
+TEST(WorkerServerTest, UpdateFailuresAboutOneTensorNameItInTheirTensorField) {
+  // A trainer finds the failing tensor in `tensor`, without parsing the message.
+  WorkerHarness worker;
+  auto trainer = Connect(worker.endpoint());
+  const policy::WeightMap& weights = NewPolicy().weights;
+  const std::string name = "model.layers.1.mlp.up_proj.weight";
+  const policy::HostTensor& t = weights.at(name);
+  auto update_error = [&](const std::string& what, const ErrorMsg& e) {
+    EXPECT_EQ(e.code, ErrorCode::kUpdateFailed) << what << ": " << e.message;
+    EXPECT_EQ(e.field, "") << what;
+    EXPECT_NE(e.message.find(name), std::string::npos) << what << ": " << e.message;
+    EXPECT_EQ(e.tensor, name) << what << ": " << e.message;
+  };
+  // A checksum mismatch, at the commit.
+  UpdateBeginMsg begin = FullBegin("b1", "u1", weights, 1);
+  for (auto& entry : begin.manifest.tensors) {
+    if (entry.name == name) entry.checksum ^= 1;
+  }
+  trainer->Send(begin);
+  EXPECT_EQ(NextAs<UpdateAckMsg>(*trainer).stage, UpdateStage::kBegun);
+  for (const auto& [n, tensor] : weights) trainer->Send(UpdateChunkMsg{"chunk", "u1", n, 0}, {BytesOf(tensor)});
+  trainer->Send(UpdateCommitMsg{"commit", "u1", false});
+  update_error("checksum mismatch", NextAs<ErrorMsg>(*trainer));
+  EXPECT_EQ(trainer->AbortUpdate("u1").stage, UpdateStage::kAborted);
+  // An incomplete tensor: one byte short.
+  trainer->Send(FullBegin("b2", "u2", weights, 1));
+  EXPECT_EQ(NextAs<UpdateAckMsg>(*trainer).stage, UpdateStage::kBegun);
+  for (const auto& [n, tensor] : weights) {
+    std::string_view bytes = BytesOf(tensor);
+    if (n == name) bytes.remove_suffix(1);
+    trainer->Send(UpdateChunkMsg{"chunk", "u2", n, 0}, {bytes});
+  }
+  trainer->Send(UpdateCommitMsg{"commit", "u2", false});
+  update_error("incomplete", NextAs<ErrorMsg>(*trainer));
+  EXPECT_EQ(trainer->AbortUpdate("u2").stage, UpdateStage::kAborted);
+  // A parameter missing from a full update, at the begin.
+  policy::WeightMap without = weights;
+  without.erase(name);
+  trainer->Send(FullBegin("b3", "u3", without, 1));
+  update_error("missing from a full update", NextAs<ErrorMsg>(*trainer));
+  // A chunk of a tensor outside the manifest.
+  policy::WeightMap only_norm;
+  only_norm.emplace("model.norm.weight", weights.at("model.norm.weight"));
+  UpdateBeginMsg partial = FullBegin("b4", "u4", only_norm, 1);
+  partial.manifest.partial = true;
+  trainer->Send(partial);
+  EXPECT_EQ(NextAs<UpdateAckMsg>(*trainer).stage, UpdateStage::kBegun);
+  trainer->Send(UpdateChunkMsg{"chunk", "u4", name, 0}, {BytesOf(t)});
+  update_error("not in the manifest", NextAs<ErrorMsg>(*trainer));
+  EXPECT_EQ(trainer->AbortUpdate("u4").stage, UpdateStage::kAborted);
+  // An error about no one tensor has none.
+  trainer->Send(UpdateCommitMsg{"commit", "nope", false});
+  const ErrorMsg unknown = NextAs<ErrorMsg>(*trainer);
+  EXPECT_EQ(unknown.code, ErrorCode::kUnknownUpdate);
+  EXPECT_EQ(unknown.tensor, "");
+  EXPECT_EQ(trainer->Health().policy_version, 0u);
 }
 
 TEST(WorkerServerTest, ANonFiniteWeightFailsTheCommitEvenWithoutApply) {
@@ -1115,6 +1175,7 @@ TEST(WorkerServerTest, ANonFiniteWeightFailsTheCommitEvenWithoutApply) {
       } catch (const WorkerError& e) {
         EXPECT_EQ(e.error().code, ErrorCode::kUpdateFailed);
         EXPECT_NE(std::string(e.what()).find("tensor model.norm.weight: element 37 is"), std::string::npos) << e.what();
+        EXPECT_EQ(e.tensor(), "model.norm.weight");
       }
     }
   }

@@ -283,6 +283,7 @@ class TwoWorkersTest(unittest.TestCase):
                 if (header["type"] == "update_chunk" and worker.endpoint == self.endpoints[1]
                         and not state["done"]):
                     state["done"] = True
+                    state["tensor"] = header["name"]
                     data = bytearray(frames[0])
                     data[0] ^= 0xFF
                     frames = [bytes(data)]
@@ -296,6 +297,7 @@ class TwoWorkersTest(unittest.TestCase):
         self.assertEqual(cm.exception.phase, "verify")
         self.assertEqual(list(cm.exception.failures), [self.endpoints[1]])
         self.assertEqual(cm.exception.failures[self.endpoints[1]].code, "update_failed")
+        self.assertEqual(cm.exception.failures[self.endpoints[1]].tensor, state["tensor"])
         self.assertEqual(self.versions(), before)
 
     def test_chunk_refused_mid_stream_is_aborted_everywhere(self):
@@ -313,6 +315,7 @@ class TwoWorkersTest(unittest.TestCase):
                     elif header["offset"] > 0 and state["first"] != "sent":
                         first_header, first_frames = state["first"]
                         state["first"] = "sent"
+                        state["tensor"] = first_header["name"]
                         original(worker, dict(first_header, id=header["id"] + "x"), first_frames)
                 return original(worker, header, frames, request, **kwargs)
 
@@ -326,6 +329,7 @@ class TwoWorkersTest(unittest.TestCase):
         self.assertEqual(list(cm.exception.failures), [self.endpoints[0]])
         failure = cm.exception.failures[self.endpoints[0]]
         self.assertEqual((failure.code, failure.request), ("update_failed", "update_chunk"))
+        self.assertEqual(failure.tensor, state["tensor"])
         self.assertEqual(self.versions(), before)
         self.client.push_weights(make_weights(seed=10), version=max(before) + 1)
 

@@ -224,15 +224,18 @@ class WorkerError(VrollError):
 
     Attributes: worker (endpoint), code (``bad_field``, ``overloaded``, ``update_failed``, ...,
     see docs/PROTOCOL.md), field (the offending field, or ""), message, request (what the client
-    asked: e.g. ``generate r3`` or ``update_begin``).
+    asked: e.g. ``generate r3`` or ``update_begin``), tensor (an ``update_failed`` about one
+    tensor: its name, e.g. the tensor whose checksum did not match; else "").
     """
 
-    def __init__(self, worker: str, code: str, field: str, message: str, request: str = ""):
+    def __init__(self, worker: str, code: str, field: str, message: str, request: str = "",
+                 tensor: str = ""):
         self.worker = worker
         self.code = code
         self.field = field
         self.message = message
         self.request = request
+        self.tensor = tensor
         where = f" ({field})" if field else ""
         what = f" to {request}" if request else ""
         super().__init__(f"{worker}: error {code}{where}{what}: {message}")
@@ -240,7 +243,7 @@ class WorkerError(VrollError):
     @classmethod
     def from_reply(cls, worker: str, reply: Mapping[str, Any], request: str = "") -> "WorkerError":
         return cls(worker, str(reply.get("code", "")), str(reply.get("field", "") or ""),
-                   str(reply.get("message", "")), request)
+                   str(reply.get("message", "")), request, str(reply.get("tensor", "") or ""))
 
 
 class VrollTimeoutError(VrollError, TimeoutError):
