@@ -49,6 +49,7 @@ StepPlan Scheduler::Schedule(PolicyVersion current_version, Admission admission)
   auto add = [&](Sequence* seq, int32_t n) {
     const bool samples = n == seq->num_uncomputed_tokens();
     plan.seqs.push_back({seq, n, samples});
+    if (samples) seq->in_prefill = false;  // from the next step on it decodes
     budget -= n;
     seq->planned = true;
     if (!seq->has_first_schedule) {
@@ -57,10 +58,13 @@ StepPlan Scheduler::Schedule(PolicyVersion current_version, Admission admission)
     }
   };
 
-  // 1. Decodes: one token whose KV is missing; its slot may have to be appended first.
+  // 1. Decodes: one token whose KV is missing, the last one sampled; its slot may have to be
+  // appended first. (A prefill whose last chunk is one token is step 2's.)
   for (Sequence* seq : running()) {
     if (budget <= 0) break;
-    if (seq->status != SequenceStatus::kRunning || seq->num_uncomputed_tokens() != 1) continue;  // preempted / prefill
+    if (seq->status != SequenceStatus::kRunning || seq->in_prefill || seq->num_uncomputed_tokens() != 1) {
+      continue;  // preempted / prefill
+    }
     const int32_t need = static_cast<int32_t>(seq->tokens.size()) - kv_->num_tokens(seq->id);
     bool fits = need <= 0;
     while (!fits) {
@@ -122,6 +126,7 @@ StepPlan Scheduler::Schedule(PolicyVersion current_version, Admission admission)
       }
       seq->status = SequenceStatus::kRunning;
       seq->was_admitted = true;
+      seq->in_prefill = true;
       num_seqs += group;
       running_.push_back(std::move(*it));
       it = waiting_.erase(it);

@@ -41,6 +41,10 @@ struct Sequence {
   SequenceStatus status = SequenceStatus::kWaiting;
   bool planned = false;  ///< in the step plan being built (Scheduler::Schedule only)
   bool was_admitted = false;  ///< admitted at least once (then "in flight" until finished)
+  /// Admitted, and the step that computes the last of the tokens it was admitted with (prompt,
+  /// or prompt + output when recomputed) is not planned yet: its remaining tokens are prefill,
+  /// even when only one is left.
+  bool in_prefill = false;
 
   std::vector<TokenId> tokens;      ///< prompt + output so far
   int32_t num_prompt_tokens = 0;

@@ -80,6 +80,26 @@ TEST_F(SchedulerTest, ChunkedPrefillUnderTheTokenBudgetThenDecodesFirst) {
   }
 }
 
+TEST_F(SchedulerTest, APrefillsLastChunkOfOneTokenIsCountedAsPrefillNotDecode) {
+  // Budget 4: a 5-token prompt is computed 4 + 1; that last token is still prompt (prefill),
+  // and only the sampled tokens after it are decodes. Before, any running sequence with one
+  // token left was planned as a decode: 4 of 5 prompt tokens were counted as prefill.
+  Init(64, 4, 4);
+  Add("a", 5, 1, 2);
+  std::vector<std::pair<int, int>> counts;  // (prefill, decode) tokens per step
+  while (true) {
+    StepPlan plan = scheduler_->Schedule(0);
+    if (plan.empty()) break;
+    counts.push_back({plan.num_prefill_tokens, plan.num_decode_tokens});
+    std::vector<SamplingTarget> targets = scheduler_->PrepareSampling(plan);
+    std::vector<TokenChoice> choices(targets.size(), TokenChoice{7, -1.0f});
+    for (SampleResult& r : scheduler_->Commit(plan, targets, choices, 0)) results_.push_back(std::move(r));
+  }
+  EXPECT_EQ(counts, (std::vector<std::pair<int, int>>{{4, 0}, {1, 0}, {0, 1}}));
+  ASSERT_EQ(results_.size(), 1u);
+  EXPECT_EQ(results_[0].output_ids, (std::vector<TokenId>{7, 7}));
+}
+
 TEST_F(SchedulerTest, GroupPrefillsOnceThenForksAllSamples) {
   Init(64, 4, 64);
   Add("g", 6, 4, 2);
