@@ -975,6 +975,9 @@ struct WorkerServer::Impl {
       SendUpdateFailed(peer, m.id, finite);
       return;
     }
+    // The update_timeout_ms a trainer keeps the update open by counts from the verified ack, not
+    // from the commit: verifying a large model must not use up its time.
+    u->last_message = Clock::now();
     if (m.apply) {
       Apply(peer, m.id, *u);
       return;

@@ -219,13 +219,38 @@ class GenerateTest(FakeWorkerTestCase):
         self.assertTrue(sent)  # spread over both at first: nothing was known of their versions
         wait_until(lambda: sorted(h["request_id"] for t, h in behind.received if t == "abort")
                    == sorted(sent), "the aborts of the requests moved")
-        # Now the client knows: the next call sends nothing to the worker behind, and a call
+        # Now the client knows: the next call asks the worker behind for its version (another
+        # client may have updated it) and, as it is still behind, sends it no request; a call
         # without a min_policy_version uses both.
         behind.received.clear()
         self.client.generate(prompts, SamplingParams(max_tokens=2), min_policy_version=5)
-        self.assertEqual(behind.types(), [])
+        self.assertEqual(behind.types(), ["health"])
         outs = self.client.generate(prompts, SamplingParams(max_tokens=2))
         self.assertEqual({o.worker for o in outs}, {ahead.endpoint, behind.endpoint})
+        # Updated meanwhile (by another client's push): asked, and used again.
+        behind.version = 5
+        behind.received.clear()
+        outs = self.client.generate(prompts, SamplingParams(max_tokens=2), min_policy_version=5)
+        self.assertEqual({o.worker for o in outs}, {ahead.endpoint, behind.endpoint})
+        self.assertEqual(behind.types()[0], "health")
+        self.assertNotIn("abort", behind.types())
+
+    def test_workers_updated_by_another_client_keep_their_requests(self):
+        # The client last saw both workers at version 3; another client pushed 4 to both. The
+        # requests of a call for version 4 stay where they were accepted (under 4), on both, even
+        # while one worker's samples come late: none is moved on the stale knowledge.
+        first, slow = self.workers
+        first.version = slow.version = 3
+        prompts = [[i + 1] for i in range(8)]
+        self.client.generate(prompts, SamplingParams(max_tokens=2), min_policy_version=3)
+        first.version = slow.version = 4
+        slow.delay_with_probes_s = 1.5  # beyond the grace a request behind gets
+        slow.received.clear()
+        outs = self.client.generate(prompts, SamplingParams(max_tokens=2), min_policy_version=4)
+        self.assertEqual({o.worker for o in outs}, {first.endpoint, slow.endpoint})
+        self.assertEqual({o.outputs[0].policy_version for o in outs}, {4})
+        self.assertNotIn("abort", slow.types())
+        slow.delay_with_probes_s = 0.0
 
     def test_probes_do_not_hide_a_worker_whose_runnable_requests_make_no_progress(self):
         # The probes come from the worker's transport thread: they say the process is alive, not

@@ -61,13 +61,14 @@ def make_weights(seed):
 class WorkerProcess:
     """One vroll-worker on `endpoint`; its stderr goes to a log file in `log_dir`."""
 
-    def __init__(self, endpoint, log_dir, name, extra_args=()):
+    def __init__(self, endpoint, log_dir, name, extra_args=(), env=None):
         self.endpoint = endpoint
         self.log_path = os.path.join(log_dir, name + ".log")
         self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
             [WORKER, "--endpoint", endpoint, "--threads", "1", "--kv-cache-mb", "16",
-             *extra_args], stdout=subprocess.PIPE, stderr=self._log)
+             *extra_args], stdout=subprocess.PIPE, stderr=self._log,
+            env=None if env is None else {**os.environ, **env})
         ready, _, _ = select.select([self.proc.stdout], [], [], STARTUP_TIMEOUT_S)
         line = self.proc.stdout.readline().decode().strip() if ready else ""
         if line != endpoint:
@@ -431,7 +432,8 @@ class SlowPeerTest(unittest.TestCase):
     def setUp(self):
         self.tmp = tempfile.TemporaryDirectory(prefix="vroll-e2e-")
         self.worker = WorkerProcess(f"ipc://{self.tmp.name}/w.sock", self.tmp.name, "w",
-                                    ["--update-timeout-ms", "1000"])
+                                    ["--update-timeout-ms", "1000"],
+                                    env={"VROLL_LOG_LEVEL": "info"})  # its log is checked
         from fake_worker import FakeWorker  # tests/transport/python, on PYTHONPATH
         self.fake = FakeWorker(default_model_shapes())
         self.client = VrollClient([self.worker.endpoint, self.fake.endpoint], timeout_s=30,
@@ -460,6 +462,9 @@ class SlowPeerTest(unittest.TestCase):
         start = time.monotonic()
         self.check_applied(self.client.push_weights(weights, version=1), weights, 1)
         self.assertGreaterEqual(time.monotonic() - start, 3.0)
+        # The same update stayed open: the commit was repeated, and it never timed out.
+        self.assertIn("update_commit repeated on a verified update", self.worker.log())
+        self.assertNotIn("had no message for", self.worker.log())
 
     def test_a_begun_worker_outwaits_a_busy_one(self):
         weights = make_weights(seed=22)
@@ -468,6 +473,9 @@ class SlowPeerTest(unittest.TestCase):
         self.check_applied(self.client.push_weights(weights, version=1), weights, 1)
         self.assertGreaterEqual(time.monotonic() - start, 2.0)
         self.assertEqual(self.fake.types().count("update_begin"), 7)
+        # The same update stayed open: its begin was repeated, and it never timed out.
+        self.assertIn("repeated update_begin acknowledged again", self.worker.log())
+        self.assertNotIn("had no message for", self.worker.log())
 
 
 @unittest.skipUnless(WORKER, SKIP_REASON)

@@ -44,12 +44,22 @@ _ABORT_TIMEOUT_S = 10.0
 _SILENCE_ABORT_LINGER_MS = 100
 #: Chunks sent between two non-blocking checks for early chunk errors.
 _CHUNKS_PER_ERROR_CHECK = 64
-#: A worker aborts an update that gets no message for its update_timeout_ms (sent in the
-#: ``begun`` ack); a push that waits on other workers sends it a message every third of that.
+#: A worker aborts an update that gets no message for its update_timeout_ms (sent in its
+#: ``begun`` and ``verified`` acks); a push that waits on other workers sends it a message every
+#: third of that. A worker whose acks do not say it (an older one) gets none.
 _KEEPALIVE_FRACTION = 1.0 / 3.0
-#: The keep-alive period for a worker whose ack does not say its update_timeout_ms (its default
-#: is 30 s).
-_DEFAULT_KEEPALIVE_S = 10.0
+#: How long a request may wait on a worker that accepted it under a version below its
+#: min_policy_version, while another worker runs that version, before it moves there.
+_BEHIND_GRACE_S = 1.0
+
+
+def _keepalive_period(ack: Mapping[str, Any]) -> Optional[float]:
+    """Seconds between keep-alives for the update an ack is about (None: the worker did not
+    say its update_timeout_ms)."""
+    timeout_ms = ack.get("update_timeout_ms")
+    if not isinstance(timeout_ms, int) or isinstance(timeout_ms, bool) or timeout_ms <= 0:
+        return None
+    return _KEEPALIVE_FRACTION * timeout_ms / 1000.0
 
 
 def _key_bytes(key: KeyLike, what: str) -> bytes:
@@ -209,6 +219,10 @@ class _PendingRequest:
     accepted: bool = False
     num_received: int = 0
     first_overloaded_at: Optional[float] = None
+    # min_policy_version: when its worker accepted it under an older version (None: not so),
+    # and the workers it moved away from for that (not sent there again in this call).
+    behind_since: Optional[float] = None
+    moved_from: List[_Worker] = field(default_factory=list)
 
 
 class VrollClient:
@@ -403,7 +417,7 @@ class VrollClient:
               reply_type: str, request: str, timeout_s: Optional[float] = None,
               on_other: Optional[Callable[[_Worker, Dict[str, Any]], bool]] = None,
               update: bool = False,
-              keepalive_s: Optional[Mapping[str, float]] = None
+              keepalive: bool = False
               ) -> Dict[str, Union[Dict[str, Any], Exception]]:
         """Sends make(id) to each worker and waits for each one's reply.
 
@@ -411,10 +425,10 @@ class VrollClient:
         order; raises nothing itself. A worker that times out is reset. ``on_other`` sees every
         other message first and returns True when it consumed it. With ``update``, a worker's
         notice that a shutdown aborted the open update (_is_update_shutdown) is its reply.
-        With ``keepalive_s`` ({endpoint: seconds}), a worker that has replied is sent make(id)
-        again every that many seconds while others are still awaited (an update must hear from
-        its trainer within the worker's update_timeout_ms); an error answering one of those
-        becomes the worker's result.
+        With ``keepalive`` (update messages that a worker acknowledges again when repeated), a
+        worker whose reply says its update_timeout_ms is sent make(id) again every third of it
+        while others are still awaited, so that its update stays open; an error answering one
+        of those becomes the worker's result unless it already has an error.
         """
         if self._iterating:  # before anything is sent
             raise RuntimeError("the client is in the middle of a generate_iter() iteration: finish "
@@ -432,6 +446,7 @@ class VrollClient:
                 self._reset(w)
         deadline = time.monotonic() + timeout_s
         keep_due: Dict[str, float] = {}  # endpoint -> when to send its next keep-alive
+        keep_period: Dict[str, float] = {}
         keep_ids: Dict[str, _Worker] = {}  # keep-alives sent, by message id
         while pending:
             now = time.monotonic()
@@ -453,13 +468,14 @@ class VrollClient:
                     pass  # its queue is full of earlier messages: those keep the update too
                 logger.debug("%s: %s repeated to keep it while other workers are awaited",
                              endpoint, request)
-                keep_due[endpoint] = now + keepalive_s[endpoint]
+                keep_due[endpoint] = now + keep_period[endpoint]
             wait_s = min([remaining] + [due - now for due in keep_due.values()])
             for w, header, _ in self._poll(max(0.0, wait_s)):
                 id_ = header.get("id")
                 if keep_ids.get(id_) is w:
                     del keep_ids[id_]
-                    if header.get("type") == "error":
+                    if (header.get("type") == "error"
+                            and not isinstance(results.get(w.endpoint), Exception)):
                         results[w.endpoint] = WorkerError.from_reply(w.endpoint, header, request)
                         keep_due.pop(w.endpoint, None)
                     continue
@@ -483,8 +499,10 @@ class VrollClient:
                     results[w.endpoint] = WorkerError.from_reply(w.endpoint, header, request)
                 elif type_ == reply_type:
                     results[w.endpoint] = header
-                    if keepalive_s is not None and w.endpoint in keepalive_s:
-                        keep_due[w.endpoint] = time.monotonic() + keepalive_s[w.endpoint]
+                    period = _keepalive_period(header) if keepalive else None
+                    if period is not None:
+                        keep_period[w.endpoint] = period
+                        keep_due[w.endpoint] = time.monotonic() + period
                 else:
                     results[w.endpoint] = VrollError(
                         f"{w.endpoint}: expected {reply_type!r} in reply to {request}, got "
@@ -589,8 +607,9 @@ class VrollClient:
           n: samples per prompt (a GRPO group), 1 <= n <= the worker's max_num_seqs; default:
             each prompt's ``SamplingParams.n``.
           min_policy_version: the workers start a request only once they run this version.
-            Requests go only to workers last known to run it when any does; one waiting on a
-            worker that reports an older version moves to a worker that runs it.
+            Requests go only to workers known to run it when any does (those last seen behind
+            are asked first); one that a worker accepts under an older version and that still
+            waits there 1 s later moves to a worker that runs it (docs/SCALE_OUT.md).
           endpoints: spread over these of the client's workers only (default all), e.g. to
             leave out one that is down.
         Returns:
@@ -693,6 +712,9 @@ class VrollClient:
         if self._iterating:
             raise RuntimeError("the client is in the middle of a generate_iter() iteration: finish "
                                "it, break out of it or close() the iterator before other calls")
+        min_version = max(r.header.get("min_policy_version", 0) for r in requests)
+        if min_version > 0:
+            self._refresh_versions(workers, min_version)
         self._iterating = True
         try:
             yield from self._collect(requests, workers)
@@ -748,9 +770,13 @@ class VrollClient:
                     if w.request_limit is not None:
                         w.request_limit += 1
             n = queue[0].n
-            # A request for a future version goes only to workers known to run it, when any does.
-            eligible = self._running_version(workers, queue[0].header.get("min_policy_version", 0))
-            candidates = [w for w in eligible or workers if now >= w.backoff_until and (
+            # A request for a future version goes only to workers known to run it, when any does
+            # (_refresh_versions asked the others at the start of the call), and never back to a
+            # worker it moved away from.
+            eligible = [w for w in self._running_version(
+                workers, queue[0].header.get("min_policy_version", 0)) or workers
+                if w not in queue[0].moved_from]
+            candidates = [w for w in eligible if now >= w.backoff_until and (
                 w.request_limit is None or w.num_inflight_requests < w.request_limit) and (
                 w.num_inflight_samples == 0 or w.num_inflight_samples + n <= self.max_in_flight)]
             if not candidates:
@@ -779,25 +805,49 @@ class VrollClient:
             return []
         return [w for w in workers if w.policy_version is not None and w.policy_version >= version]
 
+    def _refresh_versions(self, workers: Sequence[_Worker], version: int) -> None:
+        """Before a call with min_policy_version `version`: asks the workers last known to run
+        an older one for their version now (they may have been updated by another client since),
+        so that dispatch does not pass over a worker on stale knowledge. One that does not answer
+        becomes unknown (its requests then fail or succeed as any)."""
+        stale = [w for w in workers if w.policy_version is not None and w.policy_version < version]
+        if not stale or not self._running_version(workers, version):
+            return
+        results = self._call(stale, lambda id_: protocol.make_control("health", id_), "health",
+                             "health", min(self.timeout_s, _ABORT_TIMEOUT_S))
+        for endpoint, result in results.items():
+            w = self._by_endpoint[endpoint]
+            w.policy_version = (None if isinstance(result, Exception)
+                                else int(result.get("policy_version", 0)))
+
     def _move_from_workers_behind(self, workers: Sequence[_Worker],
                                   queue: "collections.deque[_PendingRequest]",
                                   in_flight: Dict[str, _PendingRequest]) -> None:
-        """Requests waiting on a worker that reported a version below their min_policy_version
-        (one restarted from its initial weights, or left out of a push) while another of
-        `workers` runs it are aborted there and queued again for the workers that run it:
-        they would wait there for a push that may never come, and the trainer waits for them."""
+        """A request that a worker accepted under a version below its min_policy_version (one
+        restarted from its initial weights, or left out of a push), and that still waits there
+        _BEHIND_GRACE_S later while another of `workers` runs that version, is aborted there and
+        queued again for the others: it would wait for a push that may never come, while the
+        trainer waits for it. A worker that catches up within the grace keeps its requests."""
+        now = time.monotonic()
         behind = []
         for r in in_flight.values():
+            if r.behind_since is None or r.num_received > 0:
+                continue
             w, version = r.worker, r.header.get("min_policy_version", 0)
-            if (r.num_received == 0 and w.policy_version is not None and w.policy_version < version
-                    and self._running_version(workers, version)):
+            if w.policy_version is not None and w.policy_version >= version:
+                r.behind_since = None  # caught up (a probe said so)
+                continue
+            if now - r.behind_since < _BEHIND_GRACE_S:
+                continue
+            if any(o is not w and o not in r.moved_from
+                   for o in self._running_version(workers, version)):
                 behind.append(r)
         if not behind:
             return
         self._abort_requests(behind)  # their aborted samples are dropped: the request moved
         for r in behind:
             w = r.worker
-            logger.info("%s runs version %d < min_policy_version %d: request %s moves to a "
+            logger.info("%s runs version %s < min_policy_version %d: request %s moves to a "
                         "worker that runs it", w.endpoint, w.policy_version,
                         r.header["min_policy_version"], r.request_id)
             del in_flight[r.request_id]
@@ -805,8 +855,10 @@ class VrollClient:
             w.num_inflight_samples -= r.n
             if r.accepted:
                 w.num_accepted_requests -= 1
+            r.moved_from.append(w)
             r.worker = None
             r.accepted = False
+            r.behind_since = None
         queue.extendleft(reversed(behind))
 
     def _generate_wait_s(self, workers: Sequence[_Worker],
@@ -825,6 +877,15 @@ class VrollClient:
                            queue: "collections.deque[_PendingRequest]",
                            in_flight: Dict[str, _PendingRequest]) -> Optional[_PendingRequest]:
         """Applies one reply to the generate state; returns the request it completed, if any."""
+        type_ = header.get("type")
+        reported = header.get("policy_version")
+        if isinstance(reported, int) and not isinstance(reported, bool):
+            # The worker's version now (accepted, probe), or one it ran (sample: at least that),
+            # also from replies of requests that moved away.
+            if type_ in ("accepted", "health"):
+                w.policy_version = reported
+            elif type_ == "sample":
+                w.policy_version = max(reported, w.policy_version or 0)
         request = in_flight.get(header.get("id"))
         if request is None or request.worker is not w:
             if header.get("type") == "health" and not header.get("id"):
@@ -836,7 +897,6 @@ class VrollClient:
                 # than timeout_s); a request that could run must answer within timeout_s, so a
                 # paused or stuck engine is still noticed.
                 version = header.get("policy_version", 0)
-                w.policy_version = int(version)
                 mine = [r for r in in_flight.values() if r.worker is w]
                 if mine and all(r.header.get("min_policy_version", 0) > version for r in mine):
                     w.last_heard = time.monotonic()
@@ -844,10 +904,10 @@ class VrollClient:
             return None
         now = time.monotonic()
         w.last_heard = now
-        type_ = header.get("type")
         if type_ == "accepted":
-            if "policy_version" in header:
-                w.policy_version = int(header["policy_version"])
+            if (isinstance(reported, int)
+                    and reported < request.header.get("min_policy_version", 0)):
+                request.behind_since = now
             request.accepted = True
             w.num_accepted_requests += 1
             w.num_overloaded = 0
@@ -1010,33 +1070,55 @@ class VrollClient:
         # those that answer busy are asked again for up to busy_wait_s. Meanwhile the workers
         # that began are sent the same update_begin again (a retry: acked "begun", nothing
         # changes) every keep-alive period, so that their update_timeout_ms does not end it.
+        def make_begin(id_: str) -> Dict[str, Any]:
+            return protocol.make_update_begin(update_id, version, manifest, mode, partial, id_)
+
         busy_deadline = time.monotonic() + max(0.0, busy_wait_s)
         backoff_s = 0.05
         begin_on = workers
-        keepalive_s: Dict[str, float] = {}  # from each worker's begun ack
+        keep_period: Dict[str, float] = {}  # from each worker's begun ack
         keep_due: Dict[str, float] = {}
-        while True:
-            results = self._call(
-                begin_on, lambda id_: protocol.make_update_begin(update_id, version, manifest,
-                                                                mode, partial, id_),
-                "update_ack", "update_begin", update=True)
-            failures = self._stage_failures(results, "begun")
+        failures: Dict[str, Exception] = {}
+
+        def note_begun(results: Mapping[str, Any]) -> None:
             for endpoint, result in results.items():
-                if endpoint not in failures:
-                    timeout_ms = result.get("update_timeout_ms")
-                    keepalive_s[endpoint] = (_DEFAULT_KEEPALIVE_S if not timeout_ms
-                                             else _KEEPALIVE_FRACTION * int(timeout_ms) / 1000.0)
-                    keep_due[endpoint] = time.monotonic() + keepalive_s[endpoint]
+                if endpoint in failures:
+                    continue
+                period = _keepalive_period(result)
+                if period is not None:
+                    keep_period[endpoint] = period
+                    keep_due[endpoint] = time.monotonic() + period
+
+        while True:
+            results = self._call(begin_on, make_begin, "update_ack", "update_begin", update=True,
+                                 keepalive=True)
+            failures = self._stage_failures(results, "begun")
+            note_begun(results)
             busy = [ep for ep, e in failures.items()
                     if isinstance(e, WorkerError) and e.code == "busy"]
             if not failures or len(busy) < len(failures) or time.monotonic() >= busy_deadline:
                 break
             logger.info("update %s: busy on %s; asking again in %.2f s", update_id, busy, backoff_s)
-            time.sleep(min(backoff_s, max(0.0, busy_deadline - time.monotonic())))
+            retry_at = min(time.monotonic() + backoff_s, busy_deadline)
             backoff_s = min(2 * backoff_s, 1.0)
-            now = time.monotonic()
-            begin_on = [w for w in workers
-                        if w.endpoint in busy or keep_due.get(w.endpoint, now + 1) <= now]
+            while True:  # wait for the retry, keeping the begun workers' update open
+                now = time.monotonic()
+                due = [self._by_endpoint[ep] for ep, t in keep_due.items() if t <= now]
+                if due:
+                    kept = self._call(due, make_begin, "update_ack", "update_begin",
+                                      update=True)
+                    kept_failures = self._stage_failures(kept, "begun")
+                    if kept_failures:
+                        failures = kept_failures
+                        break
+                    note_begun(kept)
+                    continue
+                if now >= retry_at:
+                    break
+                time.sleep(min([retry_at - now] + [t - now for t in keep_due.values()]))
+            if any(ep not in busy for ep in failures):
+                break
+            begin_on = [self._by_endpoint[ep] for ep in busy]
         if failures:
             raise fail("begin", failures)
 
@@ -1057,8 +1139,11 @@ class VrollClient:
         results = self._call(
             workers, lambda id_: protocol.make_update_commit(update_id, False, id_),
             "update_ack", "update_commit(apply=false)", on_other=on_chunk_error, update=True,
-            keepalive_s=keepalive_s)
+            keepalive=True)
         if chunk_errors:
+            for endpoint, result in results.items():  # a commit that timed out: a silent worker
+                if isinstance(result, VrollTimeoutError):
+                    chunk_errors.setdefault(endpoint, result)
             # A worker's shutdown notice (its commit result here) says more than the errors of
             # the chunks it refused after it: its update is gone, no abort is needed.
             for endpoint, result in results.items():
@@ -1078,8 +1163,10 @@ class VrollClient:
         for ack in acks:
             self._by_endpoint[ack.worker].policy_version = ack.version
         if failures:
+            # Not awaited from a worker that timed out (reset) or is shutting down.
             self._abort_update([self._by_endpoint[ep] for ep, e in failures.items() if not (
-                isinstance(e, WorkerError) and e.code == "shutting_down")], update_id)
+                isinstance(e, VrollTimeoutError) or
+                (isinstance(e, WorkerError) and e.code == "shutting_down"))], update_id)
             raise WeightUpdateError(version, update_id, "apply", failures, acks)
 
         for ack in acks:
