@@ -3,7 +3,9 @@
 // expected: CLI11's own PositiveNumber answers 0 with "Value 0 not in range 0.000000 to
 // 1.797693e+308", and a plain int option takes -3 threads silently.
 
+#include <charconv>
 #include <cmath>
+#include <cstdint>
 #include <string>
 
 #include <fmt/format.h>
@@ -41,6 +43,20 @@ inline CLI::Validator NumberAtLeast(double min) {
         return "must be a number >= " + fmt::format("{}", min) + " (got '" + value + "')";
       },
       "NUMBER>=" + fmt::format("{}", min));
+}
+
+/// Accepts a decimal integer in [0, 2^64) (digits only); otherwise "must be an integer in
+/// [0, 2^64) (got 'VALUE')". CLI11's own conversion wraps -1 and saturates 2^64 to 2^64 - 1.
+inline CLI::Validator Uint64() {
+  return CLI::Validator(
+      [](std::string& value) -> std::string {
+        uint64_t v = 0;
+        const char* end = value.data() + value.size();
+        const auto [ptr, ec] = std::from_chars(value.data(), end, v);
+        if (!value.empty() && value[0] != '-' && ec == std::errc() && ptr == end) return "";
+        return "must be an integer in [0, 2^64) (got '" + value + "')";
+      },
+      "UINT64");
 }
 
 }  // namespace vroll::examples

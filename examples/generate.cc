@@ -57,7 +57,7 @@ int main(int argc, char** argv) {
   app.add_option("--temperature", params.temperature, "0 = greedy")->capture_default_str()->check(vroll::examples::NumberAtLeast(0));
   app.add_option("--top-p", params.top_p, "nucleus sampling mass in (0, 1]")->capture_default_str();
   app.add_option("--top-k", params.top_k, "keep the k most likely tokens (0 = off)")->capture_default_str();
-  app.add_option("--seed", seed, "random seed")->capture_default_str();
+  app.add_option("--seed", seed, "random seed")->capture_default_str()->check(vroll::examples::Uint64());
   app.add_option("--device", device_name, "torch device (cpu, cuda, cuda:1, ...)")->capture_default_str();
   app.add_option("--threads", threads, "intra-op threads (0 = all cores)")->capture_default_str()->check(vroll::examples::IntAtLeast(0));
   CLI11_PARSE(app, argc, argv);

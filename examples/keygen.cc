@@ -21,6 +21,9 @@ int main(int argc, char** argv) {
   app.add_flag("--force", force, "overwrite existing files");
   CLI11_PARSE(app, argc, argv);
   try {
+    if (name.empty() || name.back() == '/') {
+      throw vroll::transport::TransportError("name '" + name + "' names no file (the keys go to NAME.key and NAME.pub)");
+    }
     const std::string secret_path = name + ".key", public_path = name + ".pub";
     for (const std::string& path : {secret_path, public_path}) {
       if (!force && std::filesystem::exists(path)) {

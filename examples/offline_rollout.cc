@@ -41,7 +41,9 @@ int main(int argc, char** argv) {
   app.add_option("--temperature", sampling.temperature)->capture_default_str();
   app.add_option("--top-p", sampling.top_p)->capture_default_str();
   app.add_option("--top-k", sampling.top_k)->capture_default_str();
-  app.add_option("--seed", seed, "request seeds are seed + prompt index")->capture_default_str();
+  app.add_option("--seed", seed, "request seeds are seed + prompt index")
+      ->capture_default_str()
+      ->check(vroll::examples::Uint64());
   app.add_option("--threads", threads, "intra-op threads (0 = all cores)")->capture_default_str()->check(vroll::examples::IntAtLeast(0));
   CLI11_PARSE(app, argc, argv);
   auto& log = vroll::Logger("examples");

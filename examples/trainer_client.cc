@@ -192,7 +192,8 @@ int main(int argc, char** argv) {
   app.add_option("--perturb-std", perturb_std, "std of the noise added to every weight before the second push")
       ->capture_default_str();
   app.add_option("--seed", seed, "request seeds are seed + prompt index; the noise is drawn from seed too")
-      ->capture_default_str();
+      ->capture_default_str()
+      ->check(vroll::examples::Uint64());
   app.add_option("--timeout-ms", timeout_ms, "how long each call waits for a reply")->capture_default_str();
   app.add_flag("--shutdown-worker", shutdown_worker, "ask the worker to exit at the end");
   CLI11_PARSE(app, argc, argv);

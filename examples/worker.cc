@@ -77,12 +77,15 @@ int main(int argc, char** argv) {
   app.add_option("--update-timeout-ms", worker_config.update_timeout_ms, "abort an update silent for this long")
       ->capture_default_str()->check(vroll::examples::IntAtLeast(1));
   app.add_option("--heartbeat-ms", worker_config.heartbeat_ms,
-                 "PING each connection this often; close one silent for 3x as long (0 = off)")
+                 "PING each connection this often; close one silent for 3x as long, and probe clients with "
+                 "unfinished requests (0 = off: a vanished client's requests then run to their end, and those "
+                 "waiting on a min_policy_version hold their queue slots until it arrives)")
       ->capture_default_str()->check(vroll::examples::IntAtLeast(0));
   std::optional<uint64_t> seed;
   app.add_option("--seed", seed,
                  "draws the seeds of requests that carry none; default: random per worker process (logged), so "
-                 "that workers, and a worker after a restart, do not repeat each other's samples");
+                 "that workers, and a worker after a restart, do not repeat each other's samples")
+      ->check(vroll::examples::Uint64());
   app.add_option("--curve-secret-key", secret_key_path, "file with this worker's Z85 CURVE secret key (turns CURVE on)")
       ->check(CLI::ExistingFile);
   app.add_option("--curve-trainer-keys", trainer_keys_path, "allow-list file: Z85 public keys that may do everything")
@@ -129,7 +132,7 @@ int main(int argc, char** argv) {
     engine_config.kv_cache_dtype = vroll::cache::ParseKvCacheDtype(kv_cache_dtype);
     worker_config.max_message_bytes = max_message_mb << 20;
     if (!secret_key_path.empty()) {
-      worker_config.curve.secret_key = vroll::transport::ReadCurveKeyFile(secret_key_path);
+      worker_config.curve.secret_key = vroll::transport::ReadCurveSecretKeyFile(secret_key_path);
       if (!trainer_keys_path.empty()) worker_config.curve.trainer_keys = vroll::transport::ReadCurveKeyListFile(trainer_keys_path);
       if (!client_keys_path.empty()) worker_config.curve.client_keys = vroll::transport::ReadCurveKeyListFile(client_keys_path);
     }

@@ -87,9 +87,13 @@ int ConfigureThreads(int requested) {
     const char* env = std::getenv("OMP_NUM_THREADS");
     n = env != nullptr ? std::atoi(env) : 0;
   }
-  if (n <= 0) {
-    cpu_set_t set;
-    n = sched_getaffinity(0, sizeof(set), &set) == 0 ? CPU_COUNT(&set) : 1;
+  cpu_set_t set;
+  const int cores = sched_getaffinity(0, sizeof(set), &set) == 0 ? CPU_COUNT(&set) : 1;
+  if (n <= 0) n = cores;
+  if (n > cores) {
+    Logger("policy").warn("{} threads on {} cores this process may use: every step waits for threads that share a "
+                          "core (and start-up alone takes longer); use at most {}",
+                          n, cores, cores);
   }
   at::set_num_threads(n);
   return at::get_num_threads();

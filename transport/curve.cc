@@ -83,11 +83,51 @@ std::string ReadCurveKeyFile(const std::string& path) {
   return keys[0];
 }
 
-std::vector<std::string> ReadCurveKeyListFile(const std::string& path) { return ReadKeys(path, /*single=*/false); }
+namespace {
+bool EndsWith(const std::string& s, const std::string& suffix) {
+  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+}  // namespace
+
+std::string ReadCurveSecretKeyFile(const std::string& path) {
+  if (EndsWith(path, ".pub")) {
+    throw TransportError(fmt::format("{}: a .pub file holds a public key (vroll-keygen NAME writes the secret one to "
+                                     "NAME.key); the worker needs its secret key",
+                                     path));
+  }
+  const std::string secret = ReadCurveKeyFile(path);
+  if (EndsWith(path, ".key")) {
+    const std::string public_path = path.substr(0, path.size() - 4) + ".pub";
+    if (::access(public_path.c_str(), R_OK) == 0) {
+      const std::string expected = CurvePublicKey(secret, path);
+      if (ReadCurveKeyFile(public_path) != expected) {
+        throw TransportError(fmt::format("{}: its public key is {}, but {} beside it holds another pair's public key: "
+                                         "clients given that one would never connect",
+                                         path, expected, public_path));
+      }
+    }
+  }
+  return secret;
+}
+
+std::vector<std::string> ReadCurveKeyListFile(const std::string& path) {
+  if (EndsWith(path, ".key")) {
+    throw TransportError(fmt::format("{}: a .key file holds a secret key (vroll-keygen NAME writes the public one to "
+                                     "NAME.pub); an allow-list lists public keys, one per line",
+                                     path));
+  }
+  return ReadKeys(path, /*single=*/false);
+}
 
 void WriteCurveKeyFile(const std::string& path, const std::string& key, bool secret) {
   const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, secret ? 0600 : 0644);
   if (fd < 0) throw TransportError(fmt::format("{}: cannot write ({})", path, std::strerror(errno)));
+  // O_CREAT's mode applies only to a new file: an overwritten one keeps its own until this.
+  if (secret && ::fchmod(fd, 0600) != 0) {
+    const int err = errno;
+    ::close(fd);
+    throw TransportError(fmt::format("{}: cannot make it private, mode 0600 ({})", path, std::strerror(err)));
+  }
   const std::string text = key + "\n";
   const ssize_t written = ::write(fd, text.data(), text.size());
   const int close_rc = ::close(fd);

@@ -40,12 +40,19 @@ void CheckZ85Key(const std::string& key, const std::string& what);
 /// TransportError naming the file when it cannot be read or holds no valid key.
 std::string ReadCurveKeyFile(const std::string& path);
 
+/// ReadCurveKeyFile for a secret key, refusing the mix-ups that would otherwise only show as
+/// clients timing out: a path ending in ".pub" (vroll-keygen's public half), and a NAME.key whose
+/// NAME.pub beside it holds the public key of another pair. Throws TransportError naming both.
+std::string ReadCurveSecretKeyFile(const std::string& path);
+
 /// Reads an allow-list file: one Z85 public key per line; blank and comment lines are skipped,
 /// and a line may carry a comment after the key ("KEY  # trainer-0"). Throws TransportError
-/// naming the file and line of the first invalid key.
+/// naming the file and line of the first invalid key, or the file when its name ends in ".key"
+/// (vroll-keygen's secret key file: an allow-list lists public keys).
 std::vector<std::string> ReadCurveKeyListFile(const std::string& path);
 
-/// Writes `key` and a newline to `path` (mode 0600 when `secret`). Throws TransportError.
+/// Writes `key` and a newline to `path`. A secret key file gets mode 0600 before the key is
+/// written, also when it existed with a wider mode (an overwrite). Throws TransportError.
 void WriteCurveKeyFile(const std::string& path, const std::string& key, bool secret);
 
 }  // namespace vroll::transport

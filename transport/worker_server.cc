@@ -280,6 +280,14 @@ struct WorkerServer::Impl {
 
   void Start() {
     config.Validate();
+    for (const std::string& key : config.curve.trainer_keys) {
+      if (std::find(config.curve.client_keys.begin(), config.curve.client_keys.end(), key) !=
+          config.curve.client_keys.end()) {
+        log.warn("CURVE key {} is on both the trainer and the client allow-list: it gets trainer rights (weight "
+                 "updates, pause, shutdown)",
+                 key);
+      }
+    }
     for (const policy::ParamSpec& p : engine.param_specs()) param_shapes[p.name] = p.shape;
     staging = engine.MakeStaging();  // bound to the model's spare buffers: applied by a swap
     outbox = std::make_shared<Outbox>();

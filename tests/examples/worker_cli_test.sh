@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# vroll-keygen and vroll-worker's command line: the mistakes an operator makes with key files,
+# seeds and threads are refused or warned about, naming what is wrong, and secret key files are
+# private. Usage: worker_cli_test.sh WORKER KEYGEN
+set -u
+export VROLL_LOG_LEVEL=info  # its warnings are checked
+WORKER="$1"
+KEYGEN="$2"
+dir=$(mktemp -d)
+worker_pid=""
+cleanup() {
+  if [ -n "$worker_pid" ]; then kill "$worker_pid" 2>/dev/null; wait "$worker_pid" 2>/dev/null; fi
+  rm -rf "$dir"
+}
+trap cleanup EXIT
+fail() {
+  echo "FAIL: $*"
+  for f in "$dir"/*.err; do [ -f "$f" ] && { echo "--- $f"; tail -20 "$f"; }; done
+  exit 1
+}
+# expect_refused NAME MESSAGE ARGS...: the worker exits non-zero and says MESSAGE (a fixed string).
+expect_refused() {
+  local name="$1" message="$2"
+  shift 2
+  if "$WORKER" --endpoint "ipc://$dir/$name.sock" "$@" >"$dir/$name.out" 2>"$dir/$name.err"; then
+    fail "$name: accepted: $*"
+  fi
+  grep -qF -- "$message" "$dir/$name.err" || fail "$name: no '$message' in its output"
+}
+
+# Keys: an empty name is refused; a secret key file is mode 0600, also when --force overwrites
+# one that was world-readable.
+"$KEYGEN" "" >/dev/null 2>"$dir/keygen_empty.err" && fail "vroll-keygen '' accepted"
+grep -q "names no file" "$dir/keygen_empty.err" || fail "vroll-keygen '': no 'names no file'"
+"$KEYGEN" "$dir/a" >/dev/null 2>&1 || fail "vroll-keygen a"
+"$KEYGEN" "$dir/b" >/dev/null 2>&1 || fail "vroll-keygen b"
+[ "$(stat -c %a "$dir/a.key")" = 600 ] || fail "a.key has mode $(stat -c %a "$dir/a.key")"
+chmod 644 "$dir/a.key"
+"$KEYGEN" --force "$dir/a" >/dev/null 2>&1 || fail "vroll-keygen --force a"
+[ "$(stat -c %a "$dir/a.key")" = 600 ] || fail "a.key has mode $(stat -c %a "$dir/a.key") after --force"
+
+# Key file mix-ups that would otherwise only show as clients timing out.
+expect_refused public_as_secret "a .pub file holds a public key" \
+  --curve-secret-key "$dir/a.pub" --curve-trainer-keys "$dir/b.pub"
+cp "$dir/a.key" "$dir/c.key"
+cp "$dir/b.pub" "$dir/c.pub"
+expect_refused mismatched_pair "beside it holds another pair's public key" \
+  --curve-secret-key "$dir/c.key" --curve-trainer-keys "$dir/b.pub"
+expect_refused secret_as_allow_list "a .key file holds a secret key" \
+  --curve-secret-key "$dir/a.key" --curve-trainer-keys "$dir/b.key"
+
+# Seeds outside [0, 2^64) are refused, not wrapped or saturated.
+expect_refused seed_negative "must be an integer in [0, 2^64) (got '-1')" --seed -1
+expect_refused seed_too_big "must be an integer in [0, 2^64) (got '18446744073709551616')" \
+  --seed 18446744073709551616
+
+# More threads than cores: a warning (here before the refusal of a mix-up, to keep it short).
+threads=$(( $(nproc) + 1 ))
+expect_refused too_many_threads "$threads threads on $(nproc) cores" --threads "$threads" \
+  --curve-secret-key "$dir/a.pub" --curve-trainer-keys "$dir/b.pub"
+
+# A key on both allow-lists starts, with a warning that it gets trainer rights.
+"$WORKER" --endpoint "ipc://$dir/both.sock" --curve-secret-key "$dir/a.key" \
+  --curve-trainer-keys "$dir/b.pub" --curve-client-keys "$dir/b.pub" >"$dir/both.out" 2>"$dir/both.err" &
+worker_pid=$!
+for _ in $(seq 600); do
+  grep -q "ipc://$dir/both.sock" "$dir/both.out" 2>/dev/null && break
+  kill -0 "$worker_pid" 2>/dev/null || fail "the worker with a key on both lists exited"
+  sleep 0.1
+done
+grep -q "is on both the trainer and the client allow-list" "$dir/both.err" ||
+  fail "no warning for a key on both allow-lists"
+kill "$worker_pid"
+wait "$worker_pid" || fail "the worker did not exit cleanly on SIGTERM"
+worker_pid=""
+echo "PASS"
