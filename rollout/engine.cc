@@ -708,7 +708,14 @@ void Engine::Loop() {
 
 EngineStats Engine::stats() const {
   std::lock_guard<std::mutex> lock(mu_);
-  return snapshot_;
+  EngineStats s = snapshot_;
+  s.paused = paused_;
+  return s;
+}
+
+bool Engine::paused() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return paused_;
 }
 
 std::vector<SampleResult> Engine::Generate(const std::vector<Request>& requests) {

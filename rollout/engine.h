@@ -138,6 +138,7 @@ struct EngineStats {
   double decode_seconds = 0;
   int64_t num_decode_tokens = 0;
   PolicyVersion policy_version = 0;
+  bool paused = false;  ///< Pause() in effect: no step runs until Resume() (read when stats() is called)
 };
 
 /// Thread safety: Submit, Abort, stats and policy_version may be called from any thread.
@@ -230,6 +231,8 @@ class Engine {
 
   EngineStats stats() const;
   PolicyVersion policy_version() const { return version_.load(); }
+  /// Whether Pause() is in effect (no step runs until Resume()).
+  bool paused() const;
   const policy::ModelConfig& model_config() const { return model_config_; }
   /// The longest sequence (prompt + output, tokens) the engine runs: the model's context
   /// (max_seq_len), or less when the KV cache cannot hold that many tokens of one sequence beyond

@@ -534,6 +534,7 @@ StatsMsg ParseStats(const MapReader& m, std::string id) {
   e.num_finished_samples = m.OptI64("num_finished_samples", 0);
   e.tokens_per_second = m.OptDouble("tokens_per_second", 0);
   e.policy_version = m.U64("policy_version");
+  e.paused = m.OptBool("paused", false);
   return s;
 }
 
@@ -549,6 +550,7 @@ HealthMsg ParseHealth(const MapReader& m, std::string id) {
   h.model.n_layers = model.I32("n_layers");
   h.model.max_model_len = model.OptI32("max_model_len", h.model.max_seq_len, 0);
   h.protocol_version = m.I32("protocol_version");
+  h.paused = m.OptBool("paused", false);
   return h;
 }
 
@@ -925,6 +927,7 @@ struct WorkerEncoder {
     w.Int("num_finished_samples", e.num_finished_samples);
     w.Double("tokens_per_second", e.tokens_per_second);
     w.Uint("policy_version", e.policy_version);
+    w.Bool("paused", e.paused);
     return w.Finish();
   }
   std::string operator()(const HealthMsg& m) const {
@@ -939,6 +942,7 @@ struct WorkerEncoder {
     model.Int("max_model_len", m.model.max_model_len);
     w.Map("model", model);
     w.Int("protocol_version", m.protocol_version);
+    w.Bool("paused", m.paused);
     return w.Finish();
   }
   std::string operator()(const ErrorMsg& m) const {

@@ -206,6 +206,7 @@ struct HealthMsg {
   PolicyVersion policy_version = 0;
   ModelInfo model;
   int protocol_version = kProtocolVersion;
+  bool paused = false;  ///< the worker was sent pause and not resume: it accepts requests, runs none
 };
 
 /// "error".

@@ -506,9 +506,12 @@ struct WorkerServer::Impl {
 
   HealthMsg MakeHealth(const std::string& id) const {
     const policy::ModelConfig& model = engine.model_config();
-    return HealthMsg{id, !shutting_down, engine.policy_version(),
+    return HealthMsg{id,
+                     !shutting_down,
+                     engine.policy_version(),
                      ModelInfo{model.vocab_size, model.max_seq_len, model.dim, model.n_layers, engine.max_model_len()},
-                     kProtocolVersion};
+                     kProtocolVersion,
+                     engine.paused()};
   }
 
   /// A send found `peer`'s connection gone (closed, crashed, or replaced by a reconnect under a

@@ -1498,6 +1498,15 @@ TEST(WorkerServerTest, HealthAndStatsDescribeTheEngine) {
   EXPECT_EQ(s.num_generated_tokens, 5);
   EXPECT_EQ(s.num_finished_samples, 1);
   EXPECT_EQ(s.policy_version, 0u);
+  // A pause shows in both, until a resume.
+  EXPECT_FALSE(h.paused);
+  EXPECT_FALSE(s.paused);
+  client->Pause();
+  EXPECT_TRUE(client->Health().paused);
+  EXPECT_TRUE(client->Stats().paused);
+  client->Resume();
+  EXPECT_FALSE(client->Health().paused);
+  EXPECT_FALSE(client->Stats().paused);
 }
 
 TEST(WorkerServerTest, ShutdownAbortsUnfinishedSamplesDeliversThemAndStopsRun) {

@@ -154,6 +154,22 @@ class TwoWorkersTest(unittest.TestCase):
                 self.assertEqual(c.num_prompt_tokens, len(prompt))
         self.assertEqual(len({tuple(c.token_ids) for c in outs[0].outputs}), 4)
 
+    def test_a_paused_worker_says_so_and_a_generate_on_it_times_out_naming_the_pause(self):
+        ep = self.endpoints[0]
+        self.assertFalse(self.client.health([ep])[ep]["paused"])
+        client = VrollClient(ep, timeout_s=1.0, linger_ms=0)
+        try:
+            self.client.pause([ep])
+            self.assertTrue(self.client.health([ep])[ep]["paused"])
+            self.assertTrue(self.client.stats([ep])[ep]["paused"])
+            with self.assertRaises(VrollTimeoutError) as cm:
+                client.generate([1, 2], SamplingParams(max_tokens=2))
+            self.assertIn("health() says paused", str(cm.exception))
+        finally:
+            self.client.resume([ep])
+            client.close(linger_ms=0)
+        self.assertFalse(self.client.health([ep])[ep]["paused"])
+
     def test_vllm_none_values_mean_no_top_k_and_until_the_context_is_full(self):
         outs = self.client.generate([[1, 72, 101]], SamplingParams(max_tokens=None, top_k=None,
                                                                    seed=3))

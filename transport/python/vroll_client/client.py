@@ -968,8 +968,9 @@ class VrollClient:
                 self._reset(w, _SILENCE_ABORT_LINGER_MS)
                 for r in stuck:
                     del in_flight[r.request_id]
-                raise VrollTimeoutError(w.endpoint, f"generate ({len(stuck)} requests in flight)",
-                                        self.timeout_s)
+                raise VrollTimeoutError(
+                    w.endpoint, f"generate ({len(stuck)} requests in flight; a dead, hung or "
+                    "paused worker: health() says paused)", self.timeout_s)
 
     def _abort_requests(self, requests: Any) -> None:
         """Best effort: tells each request's worker to end it; replies are dropped later."""
