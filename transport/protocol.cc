@@ -551,6 +551,7 @@ HealthMsg ParseHealth(const MapReader& m, std::string id) {
   h.model.max_model_len = model.OptI32("max_model_len", h.model.max_seq_len, 0);
   h.protocol_version = m.I32("protocol_version");
   h.paused = m.OptBool("paused", false);
+  h.update_version = m.OptU64("update_version", 0);
   return h;
 }
 
@@ -943,6 +944,7 @@ struct WorkerEncoder {
     w.Map("model", model);
     w.Int("protocol_version", m.protocol_version);
     w.Bool("paused", m.paused);
+    w.Uint("update_version", m.update_version);
     return w.Finish();
   }
   std::string operator()(const ErrorMsg& m) const {

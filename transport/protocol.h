@@ -207,6 +207,10 @@ struct HealthMsg {
   ModelInfo model;
   int protocol_version = kProtocolVersion;
   bool paused = false;  ///< the worker was sent pause and not resume: it accepts requests, runs none
+  /// The version of the weight update open on the worker (begun, verified or being applied);
+  /// 0 when none is: a worker behind a client's min_policy_version with an update to it open is
+  /// catching up, one without is not (clients route around it).
+  PolicyVersion update_version = 0;
 };
 
 /// "error".

@@ -511,7 +511,8 @@ struct WorkerServer::Impl {
                      engine.policy_version(),
                      ModelInfo{model.vocab_size, model.max_seq_len, model.dim, model.n_layers, engine.max_model_len()},
                      kProtocolVersion,
-                     engine.paused()};
+                     engine.paused(),
+                     update && update->phase != OpenUpdate::Phase::kPoisoned ? update->version : 0};
   }
 
   /// A send found `peer`'s connection gone (closed, crashed, or replaced by a reconnect under a

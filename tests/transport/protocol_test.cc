@@ -193,6 +193,11 @@ TEST(ProtocolTest, ReplyMessagesRoundTrip) {
   EXPECT_EQ(rh.model.vocab_size, 259);
   EXPECT_EQ(rh.model.n_layers, 4);
   EXPECT_EQ(rh.model.max_model_len, 200);
+  EXPECT_FALSE(rh.paused);
+  EXPECT_EQ(rh.update_version, 0u);
+  HealthMsg updating{"h", true, 5, {259, 256, 64, 4, 200}, 1, true, 6};
+  EXPECT_TRUE(RoundTripWorker(updating).paused);
+  EXPECT_EQ(RoundTripWorker(updating).update_version, 6u);
   {  // a reply without max_model_len (an older worker) reads it as max_seq_len
     const std::string old_reply = Header("health")
                                       .Set("ok", Value::Bool(true))

@@ -1189,6 +1189,7 @@ TEST(WorkerServerTest, ASecondUpdateWhileOneIsOpenIsBusy) {
   auto second = Connect(worker.endpoint());
   first->SendFrames({BeginHeader("one", 1, {TensorEntry("model.norm.weight", {64}, 256)}).Bytes()});
   EXPECT_EQ(NextAs<UpdateAckMsg>(*first).stage, UpdateStage::kBegun);
+  EXPECT_EQ(second->Health().update_version, 1u);  // health tells anyone an update is open
   PushOptions no_wait;
   no_wait.busy_wait_ms = 0;
   try {
@@ -1198,6 +1199,7 @@ TEST(WorkerServerTest, ASecondUpdateWhileOneIsOpenIsBusy) {
     EXPECT_EQ(e.code(), ErrorCode::kBusy);
   }
   EXPECT_EQ(first->AbortUpdate("one").stage, UpdateStage::kAborted);
+  EXPECT_EQ(second->Health().update_version, 0u);
   EXPECT_EQ(second->PushWeights(NewPolicy().weights, 2).version, 2u);
 
   // By default a busy begin is sent again for up to busy_wait_ms: the push goes through once

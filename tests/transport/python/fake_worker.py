@@ -63,6 +63,7 @@ class FakeWorker:
       reverse: hold samples until the socket is idle, then send them newest first.
       gate_min_policy_version: a generate whose min_policy_version is above ``version`` is
         accepted and never answered (as a worker waiting for a push that does not come).
+      update_version: reported by health (the version of an open update; 0: none).
       delay_with_probes_s: hold each accepted request's samples this long (a request waiting on
         a min_policy_version), sending its client a liveness probe (a health reply with an empty
         id, as the worker's heartbeat_ms probe) every 0.1 s meanwhile.
@@ -88,6 +89,7 @@ class FakeWorker:
         self.hang_after_accept = False
         self.reverse = False
         self.gate_min_policy_version = False
+        self.update_version = 0
         self.delay_with_probes_s = 0.0
         self.num_probes_sent = 0
         self.fail_verify = False
@@ -197,7 +199,8 @@ class FakeWorker:
                      "request_id": h["request_id"]}]
         if type_ == "health":
             return [{"v": 1, "type": "health", "id": h["id"], "ok": True,
-                     "policy_version": self.version, "protocol_version": 1,
+                     "policy_version": self.version, "update_version": self.update_version,
+                     "protocol_version": 1,
                      "model": {"vocab_size": self.vocab_size, "max_seq_len": 32, "dim": 8,
                                "n_layers": 1}}]
         if type_ == "stats":

@@ -21,7 +21,7 @@ import logging
 import numbers
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 import zmq
@@ -48,9 +48,9 @@ _CHUNKS_PER_ERROR_CHECK = 64
 #: ``begun`` and ``verified`` acks); a push that waits on other workers sends it a message every
 #: third of that. A worker whose acks do not say it (an older one) gets none.
 _KEEPALIVE_FRACTION = 1.0 / 3.0
-#: How long a request may wait on a worker that accepted it under a version below its
-#: min_policy_version, while another worker runs that version, before it moves there.
-_BEHIND_GRACE_S = 1.0
+#: How long a generate with a min_policy_version waits for the workers' health replies that
+#: tell it where that version runs (at most timeout_s).
+_VERSION_CHECK_TIMEOUT_S = 10.0
 
 
 def _keepalive_period(ack: Mapping[str, Any]) -> Optional[float]:
@@ -86,9 +86,6 @@ class _Worker:
         self._linger_ms = linger_ms
         # Replaced by reset().
         self.socket: zmq.Socket = self._connect()
-        # The policy version the worker last reported (accepted, health, probes, update acks);
-        # None: not known (none yet, or its socket was reset: it may have restarted).
-        self.policy_version: Optional[int] = None
         # generate() bookkeeping, reset at the start of every call (reset_generate()).
         self.last_heard = 0.0
         self.reset_generate()
@@ -138,7 +135,6 @@ class _Worker:
         for up to linger_ms (0: dropped at once)."""
         self.socket.close(linger=linger_ms)
         self.socket = self._connect()
-        self.policy_version = None
 
     def close(self, linger_ms: Optional[int] = None) -> None:
         self.socket.close(linger=self._linger_ms if linger_ms is None else linger_ms)
@@ -219,10 +215,6 @@ class _PendingRequest:
     accepted: bool = False
     num_received: int = 0
     first_overloaded_at: Optional[float] = None
-    # min_policy_version: when its worker accepted it under an older version (None: not so),
-    # and the workers it moved away from for that (not sent there again in this call).
-    behind_since: Optional[float] = None
-    moved_from: List[_Worker] = field(default_factory=list)
 
 
 class VrollClient:
@@ -518,8 +510,6 @@ class VrollClient:
         for endpoint, result in results.items():
             if isinstance(result, Exception):
                 raise result
-            if isinstance(result.get("policy_version"), int):  # health, stats
-                self._by_endpoint[endpoint].policy_version = result["policy_version"]
             out[endpoint] = {k: v for k, v in result.items() if k not in ("v", "type", "id")}
         return out
 
@@ -607,9 +597,8 @@ class VrollClient:
           n: samples per prompt (a GRPO group), 1 <= n <= the worker's max_num_seqs; default:
             each prompt's ``SamplingParams.n``.
           min_policy_version: the workers start a request only once they run this version.
-            Requests go only to workers known to run it when any does (those last seen behind
-            are asked first); one that a worker accepts under an older version and that still
-            waits there 1 s later moves to a worker that runs it (docs/SCALE_OUT.md).
+            Over several workers, each is asked its health first, and only those that run it
+            or have an update to it open get requests, when any does (docs/SCALE_OUT.md).
           endpoints: spread over these of the client's workers only (default all), e.g. to
             leave out one that is down.
         Returns:
@@ -713,8 +702,8 @@ class VrollClient:
             raise RuntimeError("the client is in the middle of a generate_iter() iteration: finish "
                                "it, break out of it or close() the iterator before other calls")
         min_version = max(r.header.get("min_policy_version", 0) for r in requests)
-        if min_version > 0:
-            self._refresh_versions(workers, min_version)
+        if min_version > 0 and len(workers) > 1:
+            workers = self._workers_for_version(workers, min_version)
         self._iterating = True
         try:
             yield from self._collect(requests, workers)
@@ -728,7 +717,6 @@ class VrollClient:
         queue = collections.deque(requests)
         in_flight: Dict[str, _PendingRequest] = {}
         num_done = 0
-        waits_for_version = any(r.header.get("min_policy_version", 0) > 0 for r in requests)
         try:
             while num_done < len(requests):
                 self._dispatch(workers, queue, in_flight)
@@ -738,8 +726,6 @@ class VrollClient:
                     request = self._on_generate_reply(w, header, queue, in_flight)
                     if request is not None:
                         done.append(request)
-                if waits_for_version:
-                    self._move_from_workers_behind(workers, queue, in_flight)
                 self._check_silence(in_flight)
                 suspended = 0.0
                 for request in done:
@@ -770,13 +756,7 @@ class VrollClient:
                     if w.request_limit is not None:
                         w.request_limit += 1
             n = queue[0].n
-            # A request for a future version goes only to workers known to run it, when any does
-            # (_refresh_versions asked the others at the start of the call), and never back to a
-            # worker it moved away from.
-            eligible = [w for w in self._running_version(
-                workers, queue[0].header.get("min_policy_version", 0)) or workers
-                if w not in queue[0].moved_from]
-            candidates = [w for w in eligible if now >= w.backoff_until and (
+            candidates = [w for w in workers if now >= w.backoff_until and (
                 w.request_limit is None or w.num_inflight_requests < w.request_limit) and (
                 w.num_inflight_samples == 0 or w.num_inflight_samples + n <= self.max_in_flight)]
             if not candidates:
@@ -798,68 +778,33 @@ class VrollClient:
             w.num_inflight_requests += 1
             w.num_inflight_samples += request.n - request.num_received
 
-    @staticmethod
-    def _running_version(workers: Sequence[_Worker], version: int) -> List[_Worker]:
-        """The workers last known to run `version` or a newer one ([] for version 0)."""
-        if version <= 0:
-            return []
-        return [w for w in workers if w.policy_version is not None and w.policy_version >= version]
-
-    def _refresh_versions(self, workers: Sequence[_Worker], version: int) -> None:
-        """Before a call with min_policy_version `version`: asks the workers last known to run
-        an older one for their version now (they may have been updated by another client since),
-        so that dispatch does not pass over a worker on stale knowledge. One that does not answer
-        becomes unknown (its requests then fail or succeed as any)."""
-        stale = [w for w in workers if w.policy_version is not None and w.policy_version < version]
-        if not stale or not self._running_version(workers, version):
-            return
-        results = self._call(stale, lambda id_: protocol.make_control("health", id_), "health",
-                             "health", min(self.timeout_s, _ABORT_TIMEOUT_S))
-        for endpoint, result in results.items():
-            w = self._by_endpoint[endpoint]
-            w.policy_version = (None if isinstance(result, Exception)
-                                else int(result.get("policy_version", 0)))
-
-    def _move_from_workers_behind(self, workers: Sequence[_Worker],
-                                  queue: "collections.deque[_PendingRequest]",
-                                  in_flight: Dict[str, _PendingRequest]) -> None:
-        """A request that a worker accepted under a version below its min_policy_version (one
-        restarted from its initial weights, or left out of a push), and that still waits there
-        _BEHIND_GRACE_S later while another of `workers` runs that version, is aborted there and
-        queued again for the others: it would wait for a push that may never come, while the
-        trainer waits for it. A worker that catches up within the grace keeps its requests."""
-        now = time.monotonic()
-        behind = []
-        for r in in_flight.values():
-            if r.behind_since is None or r.num_received > 0:
+    def _workers_for_version(self, workers: List[_Worker], version: int) -> List[_Worker]:
+        """The workers a generate with min_policy_version `version` uses: asks each for its
+        health, then keeps those that run `version` or have an update to it (or a later one)
+        open, when any does; else all (they wait for the next push). A worker left out (one
+        restarted from its initial weights, or left out of a push) would hold the requests
+        until a push that the trainer, waiting for them, could not send. A worker that does not
+        answer within _VERSION_CHECK_TIMEOUT_S is left out too when others qualify (else it is
+        kept, and its requests time out as any)."""
+        results = self._call(workers, lambda id_: protocol.make_control("health", id_), "health",
+                             "health", min(self.timeout_s, _VERSION_CHECK_TIMEOUT_S))
+        ready = []
+        for w in workers:
+            result = results[w.endpoint]
+            if isinstance(result, Exception):
+                logger.info("%s: no health reply before generate (%s)", w.endpoint, result)
                 continue
-            w, version = r.worker, r.header.get("min_policy_version", 0)
-            if w.policy_version is not None and w.policy_version >= version:
-                r.behind_since = None  # caught up (a probe said so)
-                continue
-            if now - r.behind_since < _BEHIND_GRACE_S:
-                continue
-            if any(o is not w and o not in r.moved_from
-                   for o in self._running_version(workers, version)):
-                behind.append(r)
-        if not behind:
-            return
-        self._abort_requests(behind)  # their aborted samples are dropped: the request moved
-        for r in behind:
-            w = r.worker
-            logger.info("%s runs version %s < min_policy_version %d: request %s moves to a "
-                        "worker that runs it", w.endpoint, w.policy_version,
-                        r.header["min_policy_version"], r.request_id)
-            del in_flight[r.request_id]
-            w.num_inflight_requests -= 1
-            w.num_inflight_samples -= r.n
-            if r.accepted:
-                w.num_accepted_requests -= 1
-            r.moved_from.append(w)
-            r.worker = None
-            r.accepted = False
-            r.behind_since = None
-        queue.extendleft(reversed(behind))
+            running = int(result.get("policy_version", 0))
+            updating = int(result.get("update_version", 0) or 0)  # absent from older workers
+            if max(running, updating) >= version:
+                ready.append(w)
+        if not ready:
+            return workers
+        left_out = [w.endpoint for w in workers if w not in ready]
+        if left_out:
+            logger.info("min_policy_version %d: %s run it or are updating to it; %s left out",
+                        version, [w.endpoint for w in ready], left_out)
+        return ready
 
     def _generate_wait_s(self, workers: Sequence[_Worker],
                          queue: "collections.deque[_PendingRequest]") -> float:
@@ -877,15 +822,6 @@ class VrollClient:
                            queue: "collections.deque[_PendingRequest]",
                            in_flight: Dict[str, _PendingRequest]) -> Optional[_PendingRequest]:
         """Applies one reply to the generate state; returns the request it completed, if any."""
-        type_ = header.get("type")
-        reported = header.get("policy_version")
-        if isinstance(reported, int) and not isinstance(reported, bool):
-            # The worker's version now (accepted, probe), or one it ran (sample: at least that),
-            # also from replies of requests that moved away.
-            if type_ in ("accepted", "health"):
-                w.policy_version = reported
-            elif type_ == "sample":
-                w.policy_version = max(reported, w.policy_version or 0)
         request = in_flight.get(header.get("id"))
         if request is None or request.worker is not w:
             if header.get("type") == "health" and not header.get("id"):
@@ -904,10 +840,8 @@ class VrollClient:
             return None
         now = time.monotonic()
         w.last_heard = now
+        type_ = header.get("type")
         if type_ == "accepted":
-            if (isinstance(reported, int)
-                    and reported < request.header.get("min_policy_version", 0)):
-                request.behind_since = now
             request.accepted = True
             w.num_accepted_requests += 1
             w.num_overloaded = 0
@@ -1052,10 +986,13 @@ class VrollClient:
         manifest = [protocol.make_manifest_entry(t.name, t.dtype, t.shape, t.num_bytes,
                                                  t.checksum) for t in tensors]
 
-        def fail(phase: str, failures: Mapping[str, Exception]) -> WeightUpdateError:
+        def fail(phase: str, failures: Mapping[str, Exception],
+                 timed_out: Sequence[str] = ()) -> WeightUpdateError:
             # A worker that is shutting down has aborted the update already (and may be gone).
-            # One that timed out was reset: its abort is sent, but its ack is not awaited.
-            silent = [w for w in workers if isinstance(failures.get(w.endpoint), VrollTimeoutError)]
+            # One that timed out (also one whose failure names a chunk error: `timed_out`) was
+            # reset: its abort is sent, but its ack is not awaited.
+            silent = [w for w in workers if w.endpoint in timed_out
+                      or isinstance(failures.get(w.endpoint), VrollTimeoutError)]
             for w in silent:
                 try:
                     self._send(w, protocol.make_update_abort(update_id, self._next_id("c")),
@@ -1110,7 +1047,7 @@ class VrollClient:
                                       update=True)
                     kept_failures = self._stage_failures(kept, "begun")
                     if kept_failures:
-                        failures = kept_failures
+                        failures = {**failures, **kept_failures}
                         break
                     note_begun(kept)
                     continue
@@ -1119,7 +1056,9 @@ class VrollClient:
                 time.sleep(min([retry_at - now] + [t - now for t in keep_due.values()]))
             if any(ep not in busy for ep in failures):
                 break
-            begin_on = [self._by_endpoint[ep] for ep in busy]
+            # The busy ones again, with the begun ones that take a repeated begin (their acks
+            # said update_timeout_ms): the call keeps those open while it waits for the others.
+            begin_on = [w for w in workers if w.endpoint in busy or w.endpoint in keep_period]
         if failures:
             raise fail("begin", failures)
 
@@ -1142,15 +1081,16 @@ class VrollClient:
             "update_ack", "update_commit(apply=false)", on_other=on_chunk_error, update=True,
             keepalive=True)
         if chunk_errors:
-            for endpoint, result in results.items():  # a commit that timed out: a silent worker
-                if isinstance(result, VrollTimeoutError):
-                    chunk_errors.setdefault(endpoint, result)
+            timed_out = [ep for ep, result in results.items()  # reset: not awaited for the abort
+                         if isinstance(result, VrollTimeoutError)]
+            for endpoint in timed_out:
+                chunk_errors.setdefault(endpoint, results[endpoint])
             # A worker's shutdown notice (its commit result here) says more than the errors of
             # the chunks it refused after it: its update is gone, no abort is needed.
             for endpoint, result in results.items():
                 if isinstance(result, WorkerError) and result.code == "shutting_down":
                     chunk_errors[endpoint] = result
-            raise fail("stage", chunk_errors)
+            raise fail("stage", chunk_errors, timed_out)
         failures = self._stage_failures(results, "verified")
         if failures:
             raise fail("verify", failures)
@@ -1161,8 +1101,6 @@ class VrollClient:
             "update_apply", apply_timeout_s, update=True)
         failures = self._stage_failures(results, "applied")
         acks = [UpdateAck.from_reply(ep, r) for ep, r in results.items() if ep not in failures]
-        for ack in acks:
-            self._by_endpoint[ack.worker].policy_version = ack.version
         if failures:
             # Not awaited from a worker that timed out (reset) or is shutting down.
             self._abort_update([self._by_endpoint[ep] for ep, e in failures.items() if not (
