@@ -21,7 +21,8 @@ int main(int argc, char** argv) {
   app.add_flag("--force", force, "overwrite existing files");
   CLI11_PARSE(app, argc, argv);
   try {
-    if (name.empty() || name.back() == '/') {
+    const std::string base = std::filesystem::path(name).filename().string();
+    if (base.empty() || base == "." || base == "..") {
       throw vroll::transport::TransportError("name '" + name + "' names no file (the keys go to NAME.key and NAME.pub)");
     }
     const std::string secret_path = name + ".key", public_path = name + ".pub";

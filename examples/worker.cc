@@ -111,6 +111,12 @@ int main(int argc, char** argv) {
     if (secret_key_path.empty() && !(trainer_keys_path.empty() && client_keys_path.empty())) {
       throw std::invalid_argument("--curve-trainer-keys / --curve-client-keys need --curve-secret-key");
     }
+    // Key files before the model: a mix-up is reported at once, not after a long load.
+    if (!secret_key_path.empty()) {
+      worker_config.curve.secret_key = vroll::transport::ReadCurveSecretKeyFile(secret_key_path);
+      if (!trainer_keys_path.empty()) worker_config.curve.trainer_keys = vroll::transport::ReadCurveKeyListFile(trainer_keys_path);
+      if (!client_keys_path.empty()) worker_config.curve.client_keys = vroll::transport::ReadCurveKeyListFile(client_keys_path);
+    }
     vroll::policy::Checkpoint ckpt;
     if (model_path.empty()) {
       log.info("no --model: using the {}", vroll::policy::DefaultModelDescription());
@@ -131,11 +137,6 @@ int main(int argc, char** argv) {
     engine_config.kv_cache_bytes = kv_cache_mb << 20;
     engine_config.kv_cache_dtype = vroll::cache::ParseKvCacheDtype(kv_cache_dtype);
     worker_config.max_message_bytes = max_message_mb << 20;
-    if (!secret_key_path.empty()) {
-      worker_config.curve.secret_key = vroll::transport::ReadCurveSecretKeyFile(secret_key_path);
-      if (!trainer_keys_path.empty()) worker_config.curve.trainer_keys = vroll::transport::ReadCurveKeyListFile(trainer_keys_path);
-      if (!client_keys_path.empty()) worker_config.curve.client_keys = vroll::transport::ReadCurveKeyListFile(client_keys_path);
-    }
 
     vroll::rollout::Engine engine(ckpt, engine_config);
     // The model holds its own copy: do not keep a second one for the worker's lifetime, and hand

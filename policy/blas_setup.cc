@@ -88,9 +88,10 @@ int ConfigureThreads(int requested) {
     n = env != nullptr ? std::atoi(env) : 0;
   }
   cpu_set_t set;
-  const int cores = sched_getaffinity(0, sizeof(set), &set) == 0 ? CPU_COUNT(&set) : 1;
+  const bool known = sched_getaffinity(0, sizeof(set), &set) == 0;  // fails beyond 1024 CPUs
+  const int cores = known ? CPU_COUNT(&set) : 1;
   if (n <= 0) n = cores;
-  if (n > cores) {
+  if (known && n > cores) {
     Logger("policy").warn("{} threads on {} cores this process may use: every step waits for threads that share a "
                           "core (and start-up alone takes longer); use at most {}",
                           n, cores, cores);

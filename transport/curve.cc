@@ -120,19 +120,31 @@ std::vector<std::string> ReadCurveKeyListFile(const std::string& path) {
 }
 
 void WriteCurveKeyFile(const std::string& path, const std::string& key, bool secret) {
-  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, secret ? 0600 : 0644);
+  // Written to a new file beside `path` (mkstemp: mode 0600, never an existing file or a link),
+  // then renamed over it: a secret key is never readable by others, not even while an existing
+  // world-readable file is overwritten, and a failure leaves the old file as it was.
+  std::string tmp = path + ".XXXXXX";
+  const int fd = ::mkstemp(tmp.data());
   if (fd < 0) throw TransportError(fmt::format("{}: cannot write ({})", path, std::strerror(errno)));
-  // O_CREAT's mode applies only to a new file: an overwritten one keeps its own until this.
-  if (secret && ::fchmod(fd, 0600) != 0) {
+  auto fail = [&](const char* what) {
     const int err = errno;
     ::close(fd);
-    throw TransportError(fmt::format("{}: cannot make it private, mode 0600 ({})", path, std::strerror(err)));
-  }
+    ::unlink(tmp.c_str());
+    throw TransportError(fmt::format("{}: {} ({})", path, what, std::strerror(err)));
+  };
+  if (!secret && ::fchmod(fd, 0644) != 0) fail("cannot set mode 0644");
   const std::string text = key + "\n";
-  const ssize_t written = ::write(fd, text.data(), text.size());
-  const int close_rc = ::close(fd);
-  if (written != static_cast<ssize_t>(text.size()) || close_rc != 0) {
-    throw TransportError(fmt::format("{}: write failed ({})", path, std::strerror(errno)));
+  if (::write(fd, text.data(), text.size()) != static_cast<ssize_t>(text.size())) fail("write failed");
+  if (::fsync(fd) != 0) fail("write failed");
+  if (::close(fd) != 0) {
+    const int err = errno;
+    ::unlink(tmp.c_str());
+    throw TransportError(fmt::format("{}: write failed ({})", path, std::strerror(err)));
+  }
+  if (::rename(tmp.c_str(), path.c_str()) != 0) {
+    const int err = errno;
+    ::unlink(tmp.c_str());
+    throw TransportError(fmt::format("{}: cannot write ({})", path, std::strerror(err)));
   }
 }
 

@@ -51,8 +51,10 @@ std::string ReadCurveSecretKeyFile(const std::string& path);
 /// (vroll-keygen's secret key file: an allow-list lists public keys).
 std::vector<std::string> ReadCurveKeyListFile(const std::string& path);
 
-/// Writes `key` and a newline to `path`. A secret key file gets mode 0600 before the key is
-/// written, also when it existed with a wider mode (an overwrite). Throws TransportError.
+/// Writes `key` and a newline to `path`, mode 0600 when `secret` (also when it replaces a file
+/// with a wider mode), else 0644: into a new file beside it, renamed over `path`, so the key is
+/// never readable by others and a failure leaves an existing file unchanged. Throws
+/// TransportError.
 void WriteCurveKeyFile(const std::string& path, const std::string& key, bool secret);
 
 }  // namespace vroll::transport
