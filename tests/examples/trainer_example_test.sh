@@ -8,18 +8,7 @@ set -u
 WORKER="$1"
 EXAMPLE="$2"
 SHARED="${3:-}"
-dir=$(mktemp -d)
-worker_pid=""
-cleanup() {
-  if [ -n "$worker_pid" ]; then kill "$worker_pid" 2>/dev/null; wait "$worker_pid" 2>/dev/null; fi
-  rm -rf "$dir"
-}
-trap cleanup EXIT
-fail() {
-  echo "FAIL: $*"
-  for f in "$dir"/*.out "$dir"/*.err; do [ -f "$f" ] && { echo "--- $f"; tail -40 "$f"; }; done
-  exit 1
-}
+. "$(dirname "$0")/test_lib.sh"  # dir, worker_pid, fail
 
 # A KV cache that cannot be allocated (10 TB): one line naming its size and --kv-cache-mb, no
 # backtrace.

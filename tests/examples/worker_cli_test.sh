@@ -6,18 +6,7 @@ set -u
 export VROLL_LOG_LEVEL=info  # its warnings are checked
 WORKER="$1"
 KEYGEN="$2"
-dir=$(mktemp -d /tmp/vroll-cli.XXXXXX)  # short: ipc:// paths are limited to 107 bytes
-worker_pid=""
-cleanup() {
-  if [ -n "$worker_pid" ]; then kill "$worker_pid" 2>/dev/null; wait "$worker_pid" 2>/dev/null; fi
-  rm -rf "$dir"
-}
-trap cleanup EXIT
-fail() {
-  echo "FAIL: $*"
-  for f in "$dir"/*.err; do [ -f "$f" ] && { echo "--- $f"; tail -20 "$f"; }; done
-  exit 1
-}
+. "$(dirname "$0")/test_lib.sh"  # dir, worker_pid, fail
 # expect_refused NAME MESSAGE ARGS...: the worker exits non-zero and says MESSAGE (a fixed string).
 expect_refused() {
   local name="$1" message="$2"
