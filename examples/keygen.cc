@@ -27,7 +27,7 @@ int main(int argc, char** argv) {
     }
     const std::string secret_path = name + ".key", public_path = name + ".pub";
     for (const std::string& path : {secret_path, public_path}) {
-      if (!force && std::filesystem::exists(path)) {
+      if (!force && std::filesystem::exists(std::filesystem::symlink_status(path))) {  // a dangling link too
         throw vroll::transport::TransportError(path + " exists (use --force to overwrite)");
       }
     }

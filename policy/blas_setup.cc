@@ -138,10 +138,15 @@ BlasReport BlasSelfCheck() {
   }
   __builtin_cpu_init();
   const bool wide_simd = __builtin_cpu_supports("avx512f") || __builtin_cpu_supports("avx2");
-  if (wide_simd && report.gemm_gflops / std::max(1, at::get_num_threads()) < 25.0) {
+  cpu_set_t set;
+  const int cores = sched_getaffinity(0, sizeof(set), &set) == 0 ? CPU_COUNT(&set) : 0;
+  const int threads = at::get_num_threads();
+  if (cores > 0 && threads > cores) {
+    // ConfigureThreads warned already: the rate per thread says nothing about the kernel then.
+  } else if (wide_simd && report.gemm_gflops / std::max(1, threads) < 25.0) {
     log.warn("BLAS measured {:.1f} GFLOP/s on {} threads, under the 25 per thread expected with AVX2/AVX-512: a "
              "generic kernel is in use, or other work was running on these cores during the start-up measurement",
-             report.gemm_gflops, at::get_num_threads());
+             report.gemm_gflops, threads);
   }
   return report;
 }

@@ -262,7 +262,12 @@ struct WorkerServer::Impl {
     std::string owner;      // the peer that began it (probed when another peer wants to begin)
     std::string begin_id;   // the id of its update_begin (the shutdown notice carries it)
     policy::UpdateManifest manifest;  // as begun: a repeated identical begin is a retry
+    // Set when update_timeout_ms has passed: the update is aborted only if no message of it has
+    // come by then (kTimeoutConfirmMs later), so a worker stopped past its deadline (a VM pause,
+    // SIGSTOP) first receives what its trainer sent meanwhile.
+    std::optional<Clock::time_point> timeout_confirm;
   };
+  static constexpr int kTimeoutConfirmMs = 200;
 
   /// One received multipart message, routing id first.
   struct Incoming {
@@ -440,7 +445,8 @@ struct WorkerServer::Impl {
   long PollTimeoutMs() const {
     std::optional<Clock::time_point> deadline;
     if (update && update->phase != OpenUpdate::Phase::kApplying) {
-      deadline = update->last_message + std::chrono::milliseconds(config.update_timeout_ms);
+      deadline = update->timeout_confirm ? *update->timeout_confirm
+                                         : update->last_message + std::chrono::milliseconds(config.update_timeout_ms);
     }
     if (shutting_down && (!deadline || grace_deadline < *deadline)) deadline = grace_deadline;
     if (config.heartbeat_ms > 0 && !live_per_peer.empty() && (!deadline || next_peer_probe < *deadline)) {
@@ -1066,7 +1072,15 @@ struct WorkerServer::Impl {
   void CheckUpdateTimeout() {
     if (!update || update->phase == OpenUpdate::Phase::kApplying) return;
     const int64_t idle_ms = MsSince(update->last_message);
-    if (idle_ms < config.update_timeout_ms) return;
+    if (idle_ms < config.update_timeout_ms) {
+      update->timeout_confirm.reset();
+      return;
+    }
+    if (!update->timeout_confirm) {
+      update->timeout_confirm = Clock::now() + std::chrono::milliseconds(kTimeoutConfirmMs);
+      return;
+    }
+    if (Clock::now() < *update->timeout_confirm) return;
     staging->Abort();
     log.warn("update '{}' (version {}) had no message for {} ms (update_timeout_ms = {}): aborted; keeping version {}",
              update->update_id, update->version, idle_ms, config.update_timeout_ms, engine.policy_version());

@@ -63,7 +63,8 @@ class FakeWorker:
       reverse: hold samples until the socket is idle, then send them newest first.
       gate_min_policy_version: a generate whose min_policy_version is above ``version`` is
         accepted and never answered (as a worker waiting for a push that does not come).
-      update_version: reported by health (the version of an open update; 0: none).
+      update_version, paused: reported by health (the version of an open update, 0: none;
+        whether the worker is paused: it still answers here).
       delay_with_probes_s: hold each accepted request's samples this long (a request waiting on
         a min_policy_version), sending its client a liveness probe (a health reply with an empty
         id, as the worker's heartbeat_ms probe) every 0.1 s meanwhile.
@@ -90,6 +91,7 @@ class FakeWorker:
         self.reverse = False
         self.gate_min_policy_version = False
         self.update_version = 0
+        self.paused = False
         self.delay_with_probes_s = 0.0
         self.num_probes_sent = 0
         self.fail_verify = False
@@ -200,6 +202,7 @@ class FakeWorker:
         if type_ == "health":
             return [{"v": 1, "type": "health", "id": h["id"], "ok": True,
                      "policy_version": self.version, "update_version": self.update_version,
+                     "paused": self.paused,
                      "protocol_version": 1,
                      "model": {"vocab_size": self.vocab_size, "max_seq_len": 32, "dim": 8,
                                "n_layers": 1}}]

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import unittest
 
@@ -480,6 +481,29 @@ class SlowPeerTest(unittest.TestCase):
         self.assertGreaterEqual(time.monotonic() - start, 3.0)
         # The same update stayed open: the commit was repeated, and it never timed out.
         self.assertIn("update_commit repeated on a verified update", self.worker.log())
+        self.assertNotIn("had no message for", self.worker.log())
+
+    def test_a_worker_stopped_past_its_timeout_before_the_apply_still_applies(self):
+        # The worker is stopped (a VM pause, SIGSTOP) for twice its update_timeout_ms just as the
+        # apply is sent: on waking it must read that apply before it declares the update timed
+        # out; else the push applies on the other worker only.
+        weights = make_weights(seed=23)
+        original = self.client._send
+        pid = self.worker.proc.pid
+
+        def stopping_send(worker, header, frames=(), request="", **kwargs):
+            if header["type"] == "update_apply" and worker.endpoint == self.worker.endpoint:
+                os.kill(pid, signal.SIGSTOP)
+                threading.Timer(2.0, os.kill, (pid, signal.SIGCONT)).start()
+            return original(worker, header, frames, request, **kwargs)
+
+        self.client._send = stopping_send
+        try:
+            acks = self.client.push_weights(weights, version=1)
+        finally:
+            self.client._send = original
+            os.kill(pid, signal.SIGCONT)
+        self.check_applied(acks, weights, 1)
         self.assertNotIn("had no message for", self.worker.log())
 
     def test_a_begun_worker_outwaits_a_busy_one(self):

@@ -520,7 +520,8 @@ class VrollClient:
                timeout_s: Optional[float] = None) -> Dict[str, Dict[str, Any]]:
         """{endpoint: health reply}: ``ok`` (bool), ``policy_version`` (int), ``model`` (map:
         vocab_size, max_seq_len, dim, n_layers, max_model_len: the longest prompt + output the
-        worker runs, max_seq_len or less when its KV cache is too small), ``protocol_version``.
+        worker runs, max_seq_len or less when its KV cache is too small), ``protocol_version``,
+        ``paused`` (bool), ``update_version`` (the version of an update open there; 0: none).
 
         Args: endpoints: a subset of this client's (default all); timeout_s: overrides the
         client's for this call (a short one makes a liveness probe).
@@ -598,7 +599,7 @@ class VrollClient:
             each prompt's ``SamplingParams.n``.
           min_policy_version: the workers start a request only once they run this version.
             Over several workers, each is asked its health first, and only those that run it
-            or have an update to it open get requests, when any does (docs/SCALE_OUT.md).
+            (and are not paused) get requests, when any does (docs/SCALE_OUT.md).
           endpoints: spread over these of the client's workers only (default all), e.g. to
             leave out one that is down.
         Returns:
@@ -780,12 +781,13 @@ class VrollClient:
 
     def _workers_for_version(self, workers: List[_Worker], version: int) -> List[_Worker]:
         """The workers a generate with min_policy_version `version` uses: asks each for its
-        health, then keeps those that run `version` or have an update to it (or a later one)
-        open, when any does; else all (they wait for the next push). A worker left out (one
-        restarted from its initial weights, or left out of a push) would hold the requests
-        until a push that the trainer, waiting for them, could not send. A worker that does not
-        answer within _VERSION_CHECK_TIMEOUT_S is left out too when others qualify (else it is
-        kept, and its requests time out as any)."""
+        health, then keeps those that run `version` (or a later one) and are not paused, when
+        any does; else all (they wait for the next push). A worker left out (one restarted from
+        its initial weights, left out of a push, or still applying the push: only what runs
+        counts, since an open update may never complete) would hold the requests until a push
+        that the trainer, waiting for them, might not send. A worker that does not answer within
+        _VERSION_CHECK_TIMEOUT_S is left out too when others qualify (else it is kept, and its
+        requests time out as any)."""
         results = self._call(workers, lambda id_: protocol.make_control("health", id_), "health",
                              "health", min(self.timeout_s, _VERSION_CHECK_TIMEOUT_S))
         ready = []
@@ -794,16 +796,14 @@ class VrollClient:
             if isinstance(result, Exception):
                 logger.info("%s: no health reply before generate (%s)", w.endpoint, result)
                 continue
-            running = int(result.get("policy_version", 0))
-            updating = int(result.get("update_version", 0) or 0)  # absent from older workers
-            if max(running, updating) >= version:
+            if int(result.get("policy_version", 0)) >= version and not result.get("paused", False):
                 ready.append(w)
         if not ready:
             return workers
         left_out = [w.endpoint for w in workers if w not in ready]
         if left_out:
-            logger.info("min_policy_version %d: %s run it or are updating to it; %s left out",
-                        version, [w.endpoint for w in ready], left_out)
+            logger.info("min_policy_version %d: %s run it; %s left out", version,
+                        [w.endpoint for w in ready], left_out)
         return ready
 
     def _generate_wait_s(self, workers: Sequence[_Worker],
