@@ -821,6 +821,16 @@ class ControlTest(FakeWorkerTestCase):
                                    "@" + key, "health"])
                 self.assertEqual(rc, 0)
                 self.assertTrue(json.loads(stdout.getvalue())[worker.endpoint]["ok"])
+                # The halves swapped: refused at once, naming the file (not a timeout).
+                for flag, path, message in (("--curve-secret-key", pub, "a .pub file holds a public"),
+                                            ("--curve-server-key", key, "a .key file holds a secret")):
+                    argv = ["--endpoint", worker.endpoint, "--curve-server-key", "@" + pub,
+                            "--curve-secret-key", "@" + key, "health"]
+                    argv[argv.index(flag) + 1] = "@" + path
+                    stderr = io.StringIO()
+                    with contextlib.redirect_stderr(stderr):
+                        self.assertEqual(cli_main(argv), 2)
+                    self.assertIn(path + ": " + message, stderr.getvalue())
         finally:
             worker.stop()
 

@@ -33,10 +33,19 @@ def _token_list(text: str) -> List[int]:
         raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of token ids")
 
 
-def _key_arg(value: Optional[str]) -> Optional[str]:
-    """A key given as Z85 text or as @FILE."""
+def _key_arg(value: Optional[str], secret: bool) -> Optional[str]:
+    """A key given as Z85 text or as @FILE. vroll-keygen NAME writes the secret key to NAME.key
+    and the public one to NAME.pub: the other half is refused (a wrong key only shows as a
+    timeout, since CURVE refuses the handshake)."""
     if value and value.startswith("@"):
-        return read_curve_key_file(value[1:])
+        path = value[1:]
+        wrong = ".pub" if secret else ".key"
+        if path.endswith(wrong):
+            raise ValueError(f"{path}: a {wrong} file holds a {'public' if secret else 'secret'} "
+                             f"key; --curve-{'secret' if secret else 'server'}-key takes "
+                             f"{'this client' if secret else 'the worker'}'s "
+                             f"{'secret key (NAME.key)' if secret else 'public key (NAME.pub)'}")
+        return read_curve_key_file(path)
     return value
 
 
@@ -108,8 +117,8 @@ def _main(argv: Optional[List[str]]) -> int:
         print(json.dumps({"public": public, "secret": secret}))
         return 0
     try:
-        server_key = _key_arg(args.curve_server_key)
-        secret = _key_arg(args.curve_secret_key)
+        server_key = _key_arg(args.curve_server_key, secret=False)
+        secret = _key_arg(args.curve_secret_key, secret=True)
         client = VrollClient(args.endpoint or ["tcp://127.0.0.1:5555"],
                              curve_server_key=server_key,
                              curve_client_keys=client_keys_from_secret(secret) if secret else None,
