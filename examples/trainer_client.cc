@@ -13,6 +13,11 @@
 // prompts are text through its byte-level tokenizer. With --model and no --tokenizer, prompts
 // are token ids (--prompt-ids 1,403,9). Results go to stdout, logs to stderr. Exit status 0 when
 // every check passed, 1 otherwise.
+//
+// Against a worker with CURVE on (vroll-worker --curve-secret-key; key files from vroll-keygen):
+//   vroll-trainer-example --endpoint tcp://HOST:5555 --curve-server-key worker.pub
+//       --curve-secret-key trainer.key   (one command line; trainer.pub on the worker's
+//       --curve-trainer-keys list)
 
 #include <fmt/format.h>
 
@@ -38,6 +43,7 @@
 #include "policy/weight_update.h"
 #include "rollout/request.h"
 #include "transport/client.h"
+#include "transport/curve.h"
 
 namespace {
 
@@ -172,6 +178,7 @@ int main(int argc, char** argv) {
   double perturb_std = 1e-3;
   uint64_t seed = 0;
   bool shutdown_worker = false;
+  std::string server_key_path, secret_key_path;
   vroll::rollout::SamplingParams sampling;
   sampling.max_new_tokens = 24;
   CLI::App app{
@@ -196,6 +203,13 @@ int main(int argc, char** argv) {
       ->check(vroll::examples::Uint64());
   app.add_option("--timeout-ms", timeout_ms, "how long each call waits for a reply")->capture_default_str();
   app.add_flag("--shutdown-worker", shutdown_worker, "ask the worker to exit at the end");
+  app.add_option("--curve-server-key", server_key_path,
+                 "file with the worker's Z85 CURVE public key (vroll-keygen's NAME.pub; turns CURVE on)")
+      ->check(CLI::ExistingFile);
+  app.add_option("--curve-secret-key", secret_key_path,
+                 "file with this trainer's Z85 CURVE secret key (NAME.key; its public key must be on the "
+                 "worker's --curve-trainer-keys list)")
+      ->check(CLI::ExistingFile);
   CLI11_PARSE(app, argc, argv);
 
   auto& log = vroll::Logger("examples");
@@ -203,6 +217,21 @@ int main(int argc, char** argv) {
     vroll::transport::Client client;
     vroll::transport::ClientOptions options;
     options.timeout_ms = timeout_ms;
+    if (server_key_path.empty() != secret_key_path.empty()) {
+      throw std::invalid_argument("--curve-server-key and --curve-secret-key go together");
+    }
+    if (!server_key_path.empty()) {
+      // The halves of a vroll-keygen pair swapped would only show as a timeout: CURVE refuses
+      // the handshake silently.
+      if (server_key_path.size() >= 4 && server_key_path.compare(server_key_path.size() - 4, 4, ".key") == 0) {
+        throw std::invalid_argument(fmt::format(
+            "--curve-server-key {}: a .key file is a secret key; give the worker's public key file (NAME.pub)",
+            server_key_path));
+      }
+      options.curve_server_key = vroll::transport::ReadCurveKeyFile(server_key_path);
+      options.curve_secret_key = vroll::transport::ReadCurveSecretKeyFile(secret_key_path);
+      options.curve_public_key = vroll::transport::CurvePublicKey(options.curve_secret_key, secret_key_path);
+    }
     client.Connect(endpoint, options);
     const vroll::transport::HealthMsg health = client.Health();
     std::printf("worker %s: ok %s, policy version %llu, model vocab %d, dim %d, %d layers, context %d\n",

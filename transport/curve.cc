@@ -92,7 +92,7 @@ bool EndsWith(const std::string& s, const std::string& suffix) {
 std::string ReadCurveSecretKeyFile(const std::string& path) {
   if (EndsWith(path, ".pub")) {
     throw TransportError(fmt::format("{}: a .pub file holds a public key (vroll-keygen NAME writes the secret one to "
-                                     "NAME.key); the worker needs its secret key",
+                                     "NAME.key); a secret key is needed here",
                                      path));
   }
   const std::string secret = ReadCurveKeyFile(path);

@@ -3,11 +3,14 @@
 # versions 1 and 2 and requests rollouts under each; it must exit 0, print samples of both
 # versions, and leave the worker to exit cleanly (--shutdown-worker). With ../shared present,
 # weights of another shape are refused, and the whole run is repeated on stories260K with its
-# tokenizer. Usage: trainer_example_test.sh WORKER EXAMPLE [SHARED]
+# tokenizer. With KEYGEN, a run over CURVE: the example's key options, the halves of a key pair
+# swapped refused at once, and a trainer key not on the worker's list refused (a timeout).
+# Usage: trainer_example_test.sh WORKER EXAMPLE [SHARED [KEYGEN]]
 set -u
 WORKER="$1"
 EXAMPLE="$2"
 SHARED="${3:-}"
+KEYGEN="${4:-}"
 . "$(dirname "$0")/test_lib.sh"  # dir, worker_pid, fail
 
 # A KV cache that cannot be allocated (10 TB): one line naming its size and --kv-cache-mb, no
@@ -31,11 +34,14 @@ if "$WORKER" --endpoint "ipc://$dir/dtype.sock" --kv-cache-dtype float8 >"$dir/d
 fi
 grep -q -- "--kv-cache-dtype" "$dir/dtype.out" "$dir/dtype.err" || fail "the bad --kv-cache-dtype is not named"
 
-# run_case NAME [model args...]: one worker, one example run against it.
+# run_case NAME [model args...]: one worker, one example run against it; the worker also gets
+# the arguments in the array worker_extra, the example those in example_extra.
+worker_extra=()
+example_extra=()
 run_case() {
   local name="$1"; shift
   local endpoint="ipc://$dir/$name.sock"
-  "$WORKER" --endpoint "$endpoint" --kv-cache-mb 16 --threads 1 "$@" \
+  "$WORKER" --endpoint "$endpoint" --kv-cache-mb 16 --threads 1 "$@" ${worker_extra[@]+"${worker_extra[@]}"} \
     >"$dir/$name-worker.out" 2>"$dir/$name-worker.err" &
   worker_pid=$!
   # The worker prints its endpoint once bound (the client would also wait, but this catches a
@@ -68,7 +74,17 @@ run_case() {
         fail "--prompt-ids $bad: no \"'$item' $message\""
     done
   fi
+  if [ "$name" = curve ]; then
+    # A trainer key that is not on the worker's list: CURVE refuses the handshake silently, so the
+    # example gives up after its timeout, having pushed nothing.
+    if "$EXAMPLE" --endpoint "$endpoint" --timeout-ms 2000 --curve-server-key "$dir/w.pub" \
+      --curve-secret-key "$dir/other.key" >"$dir/unknown-example.out" 2>"$dir/unknown-example.err"; then
+      fail "a trainer key not on the worker's list was accepted"
+    fi
+    grep -q "pushed version" "$dir/unknown-example.out" && fail "a trainer key not on the list pushed weights"
+  fi
   "$EXAMPLE" --endpoint "$endpoint" --n 3 --max-new-tokens 12 --timeout-ms 60000 --shutdown-worker "$@" \
+    ${example_extra[@]+"${example_extra[@]}"} \
     >"$dir/$name-example.out" 2>"$dir/$name-example.err"
   local rc=$?
   [ "$rc" -eq 0 ] || fail "$name: vroll-trainer-example exited with $rc"
@@ -93,4 +109,28 @@ if [ -n "$SHARED" ] && [ -f "$SHARED/models/stories260K.bin" ] && [ -f "$SHARED/
   run_case stories260K --model "$SHARED/models/stories260K.bin" --tokenizer "$SHARED/models/tok512.bin"
 else
   echo "stories260K case skipped: no ${SHARED:-<shared>}/models"
+fi
+if [ -n "$KEYGEN" ]; then
+  for key in w t other; do "$KEYGEN" "$dir/$key" >/dev/null 2>&1 || fail "vroll-keygen $key"; done
+  # expect_example_refused NAME MESSAGE ARGS...: exits non-zero at once, saying MESSAGE.
+  expect_example_refused() {
+    local name="$1" message="$2"
+    shift 2
+    if timeout 60 "$EXAMPLE" --endpoint "ipc://$dir/none.sock" --timeout-ms 60000 "$@" \
+      >"$dir/$name.out" 2>"$dir/$name.err"; then
+      fail "$name: accepted: $*"
+    fi
+    grep -qF -- "$message" "$dir/$name.out" "$dir/$name.err" || fail "$name: no '$message'"
+  }
+  expect_example_refused server_key_is_secret "a .key file is a secret key" \
+    --curve-server-key "$dir/w.key" --curve-secret-key "$dir/t.key"
+  expect_example_refused secret_key_is_public "a .pub file holds a public key" \
+    --curve-server-key "$dir/w.pub" --curve-secret-key "$dir/t.pub"
+  expect_example_refused server_key_alone "--curve-server-key and --curve-secret-key go together" \
+    --curve-server-key "$dir/w.pub"
+  worker_extra=(--curve-secret-key "$dir/w.key" --curve-trainer-keys "$dir/t.pub")
+  example_extra=(--curve-server-key "$dir/w.pub" --curve-secret-key "$dir/t.key")
+  run_case curve
+else
+  echo "CURVE case skipped: no vroll-keygen given"
 fi
