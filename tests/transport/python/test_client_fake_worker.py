@@ -96,16 +96,26 @@ class GenerateTest(FakeWorkerTestCase):
         with self.assertRaises(ValueError):
             self.client.generate([[1]], [SamplingParams()] * 2)
 
-    def test_n_from_sampling_params_as_in_vllm_and_the_argument_overrides_it(self):
+    def test_n_from_sampling_params_as_in_vllm_or_from_the_argument_but_not_both_differing(self):
         import numpy as np
         outs = self.client.generate([[1], [2]], [SamplingParams(max_tokens=2, n=3),
                                                  SamplingParams(max_tokens=2)])
         self.assertEqual([len(o.outputs) for o in outs], [3, 1])
         sent = sorted(h["n"] for w in self.workers for t, h in w.received if t == "generate")
         self.assertEqual(sent, [1, 3])
-        outs = self.client.generate([[1]], SamplingParams(max_tokens=2, n=3), n=np.int64(2))
+        outs = self.client.generate([[1]], SamplingParams(max_tokens=2), n=np.int64(2))
         self.assertEqual(len(outs[0].outputs), 2)
         self.assertEqual(outs[0].outputs[1].token_ids, expected_tokens([1], 1, 2, VOCAB))
+        outs = self.client.generate([[1]], SamplingParams(max_tokens=2, n=2), n=2)  # the same: fine
+        self.assertEqual(len(outs[0].outputs), 2)
+        # n=2 beside SamplingParams(n=3): which one was meant? Refused, nothing sent.
+        num_sent = sum(len(w.received) for w in self.workers)
+        with self.assertRaisesRegex(ValueError, r"n=2\) conflicts with sampling_params\[1\]\.n = 3"):
+            self.client.generate([[1], [2]], [SamplingParams(max_tokens=2), SamplingParams(max_tokens=2, n=3)],
+                                 n=2)
+        with self.assertRaisesRegex(ValueError, r"n=2\) conflicts with sampling_params\.n = 3"):
+            self.client.generate([[1]], SamplingParams(max_tokens=2, n=3), n=2)
+        self.assertEqual(sum(len(w.received) for w in self.workers), num_sent)
         for bad in (SamplingParams(n=0), SamplingParams(n=True), SamplingParams(n=2.0)):
             with self.assertRaisesRegex(ValueError, r"sampling_params\.n"):
                 self.client.generate([[1]], bad)

@@ -596,7 +596,8 @@ class VrollClient:
           sampling_params: one SamplingParams for all prompts, or one per prompt (default
             SamplingParams()).
           n: samples per prompt (a GRPO group), 1 <= n <= the worker's max_num_seqs; default:
-            each prompt's ``SamplingParams.n``.
+            each prompt's ``SamplingParams.n``. Giving both, with a ``SamplingParams.n`` other
+            than 1 that differs from ``n``, is a ValueError.
           min_policy_version: the workers start a request only once they run this version.
             Over several workers, each is asked its health first, and only those that run it
             (and are not paused) get requests, when any does (docs/SCALE_OUT.md).
@@ -681,8 +682,14 @@ class VrollClient:
                     if isinstance(sampling_params, SamplingParams):
                         raise
                     raise type(exc)(f"sampling_params[{i}]: {exc}") from None
-            num_samples = n if n is not None else _check_n(
-                sp.n, "sampling_params.n" if isinstance(sampling_params, SamplingParams) else f"sampling_params[{i}].n")
+            sp_name = "sampling_params.n" if isinstance(sampling_params, SamplingParams) else f"sampling_params[{i}].n"
+            if n is None:
+                num_samples = _check_n(sp.n, sp_name)
+            else:
+                if sp.n != 1 and sp.n != n:
+                    raise ValueError(f"generate(n={n}) conflicts with {sp_name} = {sp.n!r}: give the "
+                                     f"number of samples in one of them")
+                num_samples = n
             rid = self._next_id("r")
             try:
                 header = protocol.make_generate(rid, prompt, num_samples, wire, min_policy_version)
