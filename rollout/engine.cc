@@ -150,7 +150,18 @@ Engine::Engine(const policy::Checkpoint& checkpoint, const EngineConfig& config)
                                    : "staged in spare buffers, swapped, repacked at the safe point");
 }
 
-Engine::~Engine() { Stop(); }
+Engine::~Engine() {
+  Stop();
+  // MakeStaging hands out shared_ptrs, so its bound staging may outlive the engine: cut it loose
+  // from the spare buffers and the packing observer that die with it. An open transaction is
+  // aborted; from then on the staging stages into buffers of its own.
+  std::lock_guard<std::mutex> lock(staging_mu_);
+  if (std::shared_ptr<policy::WeightUpdateStaging> staging = bound_staging_.lock()) {
+    staging->Abort();
+    staging->SetObserver(nullptr);
+    staging->UseValueBuffers(std::vector<float*>(param_specs_.size(), nullptr));
+  }
+}
 
 void Engine::Start() {
   std::lock_guard<std::mutex> own(caller_mu_);  // a step running on a caller's thread ends first
@@ -571,7 +582,8 @@ SubmitStatus Engine::SubmitUpdate(policy::WeightUpdateStaging* staging, InFlight
   // thread (outside the engine's stall), naming the tensor and the element. The staging found
   // them while the bytes arrived, so this reads no weights.
   if (const policy::UpdateStatus finite = policy::CheckWeightsFinite(staging->verified()); !finite.ok()) {
-    return {SubmitStatus::Code::kInvalid, finite.error()};
+    return {SubmitStatus::Code::kInvalid,
+            fmt::format("weight update to version {}: {}", staging->pending_version(), finite.error())};
   }
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -778,8 +790,11 @@ std::vector<SampleResult> Engine::Generate(const std::vector<Request>& requests)
       continue;
     }
     if (!*stepped && got < expected) {
-      fail(std::runtime_error(fmt::format("engine went idle with {} of {} samples unfinished (min_policy_version "
-                                          "not reached?)", expected - got, expected)));
+      fail(std::runtime_error(fmt::format("engine went idle with {} of {} samples unfinished ({})", expected - got,
+                                          expected,
+                                          paused() ? "the engine is paused: Resume() it, or Start() its thread "
+                                                     "and wait"
+                                                   : "min_policy_version not reached?")));
     }
   }
   std::vector<SampleResult> results = std::move(collected->results);

@@ -988,7 +988,10 @@ struct WorkerServer::Impl {
     }
     // "verified" promises that update_apply will be accepted: a NaN or infinite weight, which
     // the engine refuses, is refused here already (phase one of a two-phase push then fails).
-    if (const policy::UpdateStatus finite = policy::CheckWeightsFinite(staging->verified()); !finite.ok()) {
+    if (policy::UpdateStatus finite = policy::CheckWeightsFinite(staging->verified()); !finite.ok()) {
+      // Worded as the staging's own errors are ("weight update to version N: ...").
+      finite = policy::UpdateStatus::Error(
+          fmt::format("weight update to version {}: {}", staging->pending_version(), finite.error()), finite.tensor());
       Poison(*u, finite);
       SendUpdateFailed(peer, m.id, finite);
       return;

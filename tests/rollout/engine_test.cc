@@ -637,11 +637,29 @@ TEST(EngineTest, AGenerateThatThrowsAbortsTheRequestsItHadSubmitted) {
     Engine e(Default(), SmallConfig());  // no thread: Generate runs the steps
     Request waiting = MakeRequest("waits", {1, 2, 3}, 5);
     waiting.min_policy_version = 1;
-    EXPECT_THROW(e.Generate({MakeRequest("runs", {1, 2}, 3), waiting}), std::runtime_error);
+    try {
+      e.Generate({MakeRequest("runs", {1, 2}, 3), waiting});
+      ADD_FAILURE() << "Generate returned with a request waiting for a version that never comes";
+    } catch (const std::runtime_error& error) {
+      EXPECT_NE(std::string(error.what()).find("min_policy_version not reached?"), std::string::npos) << error.what();
+    }
     EXPECT_EQ(e.stats().num_waiting, 0);
     EXPECT_EQ(e.stats().num_running, 0);
     EXPECT_FALSE(e.Step());
   }  // ~Engine: nothing left to abort into the call's results
+  {
+    // Paused without a thread: the message says so, not that a version is missing.
+    Engine e(Default(), SmallConfig());
+    e.Pause();
+    try {
+      e.Generate({MakeRequest("paused", {1, 2}, 3)});
+      ADD_FAILURE() << "Generate returned on a paused engine";
+    } catch (const std::runtime_error& error) {
+      EXPECT_NE(std::string(error.what()).find("the engine is paused"), std::string::npos) << error.what();
+    }
+    e.Resume();
+    EXPECT_EQ(e.Generate({MakeRequest("paused", {1, 2}, 3)}).size(), 1u);
+  }
   Engine e(Default(), SmallConfig());
   e.Start();
   e.Pause();  // the first request stays queued while the second is refused

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <atomic>
 #include <fstream>
 #include <future>
@@ -142,7 +143,12 @@ TEST_F(PolicyVersionTest, FailedUpdatesNeverPublishAVersion) {
   nan["model.layers.0.self_attn.o_proj.weight"].data[17] = std::nanf("");
   ack = e.UpdateWeights(nan, 1);
   EXPECT_FALSE(ack.ok);
-  EXPECT_NE(ack.error.find("model.layers.0.self_attn.o_proj.weight: element 17"), std::string::npos) << ack.error;
+  // Worded as every other update error, with the version it was for.
+  EXPECT_EQ(ack.error.rfind("weight update to version 1: tensor model.layers.0.self_attn.o_proj.weight: element 17 is "
+                            "nan",
+                            0),
+            0u)
+      << ack.error;
 
   ack = e.UpdateWeights(Perturbed(base_, 4), 0);  // not greater than the current version
   EXPECT_FALSE(ack.ok);
@@ -413,6 +419,40 @@ TEST_F(PolicyVersionTest, AnUpdateStaleByTheTimeItIsAppliedIsRefusedWithoutTouch
     EXPECT_EQ(got[i].finish_reason, FinishReason::kLength) << got[i].request_id;
     EXPECT_EQ(got[i].output_ids, want[i].output_ids) << got[i].request_id;
     EXPECT_EQ(got[i].policy_version, 1u);
+  }
+}
+
+TEST_F(PolicyVersionTest, AStagingOutlivesItsEngineDetachedFromTheModelsBuffers) {
+  const WeightMap v1 = Perturbed(base_, 34);
+  std::shared_ptr<policy::WeightUpdateStaging> idle, open;
+  {
+    Engine e(base_, config_);
+    idle = e.MakeStaging();  // the bound one: stages into the model's spares, packing as it goes
+    Engine e2(base_, config_);
+    open = VerifiedStaging(e2, v1, 1, 0);  // a verified transaction open when e2 goes
+  }
+  // The old engines' buffers and packing observers are gone: both stagings work on their own.
+  EXPECT_EQ(open->state(), policy::WeightUpdateStaging::State::kIdle);
+  for (auto* staging : {idle.get(), open.get()}) {
+    policy::UpdateManifest manifest;
+    manifest.version = 1;
+    for (const auto& [name, t] : v1) {
+      const size_t bytes = t.data.size() * sizeof(float);
+      manifest.tensors.push_back(
+          {name, policy::DType::kF32, t.shape, bytes, policy::TensorChecksum(t.data.data(), bytes)});
+    }
+    ASSERT_TRUE(staging->Begin(manifest, 0).ok());
+    for (const auto& [name, t] : v1) {
+      ASSERT_TRUE(staging->Write(name, 0, t.data.data(), t.data.size() * sizeof(float)).ok());
+    }
+    ASSERT_TRUE(staging->Verify().ok());
+    // The staged values are the pushed ones (not buffers another allocation has reused).
+    for (const policy::VerifiedTensor& t : staging->verified()) {
+      const auto& expected = v1.at(t.param->name).data;
+      ASSERT_EQ(t.values->size(), expected.size()) << t.param->name;
+      ASSERT_EQ(std::memcmp(t.values->data(), expected.data(), expected.size() * sizeof(float)), 0) << t.param->name;
+    }
+    staging->Abort();
   }
 }
 
