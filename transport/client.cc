@@ -10,6 +10,7 @@
 #include <random>
 #include <tuple>
 #include <unordered_map>
+#include <unordered_set>
 
 #include <fmt/format.h>
 #include <zmq.hpp>
@@ -265,6 +266,18 @@ void Client::Generate(const std::vector<rollout::Request>& requests,
       }
     }
   } abort_unfinished{*this, pending};
+  // Samples are told apart by (request_id, sample_index): two requests of one call under the same
+  // id would be refused or not depending on whether the first is still running when the second
+  // arrives, and their samples ambiguous. Refused before anything is sent, as Engine::Generate
+  // refuses them.
+  {
+    std::unordered_set<std::string> ids;
+    for (const rollout::Request& r : requests) {
+      if (!ids.insert(r.request_id).second) {
+        throw TransportError(fmt::format("request_id '{}' appears more than once in one Generate call", r.request_id));
+      }
+    }
+  }
   for (const rollout::Request& r : requests) {
     const std::string id = NextId("g");
     Pending& p = pending[id];
@@ -429,6 +442,12 @@ UpdateAckMsg Client::PushWeights(const std::vector<TensorBytes>& tensors, Policy
   }
   times.checksum_ms = ms_since(t0);
   t0 = Clock::now();
+  // After a timeout or a failed send: the worker may be stalled (a VM pause, SIGSTOP) rather than
+  // gone, and once it reads again it would hold the update, refusing other begins as busy, until
+  // its update_timeout_ms. An abort queued now (best effort, not awaited) ends it at once. Its
+  // reply's id is outside this update's prefix, so that a retry under the same update_id never
+  // takes that late reply for its own.
+  auto abort_without_waiting = [&] { (void)SendWithoutWaiting(UpdateAbortMsg{NextId("uabort"), update_id}); };
   const Clock::time_point busy_deadline = Clock::now() + std::chrono::milliseconds(std::max<int64_t>(0, options.busy_wait_ms));
   std::chrono::milliseconds backoff(50);
   for (int attempt = 0;; ++attempt) {
@@ -443,6 +462,9 @@ UpdateAckMsg Client::PushWeights(const std::vector<TensorBytes>& tensors, Policy
                                backoff.count());
       std::this_thread::sleep_for(std::min<Clock::duration>(backoff, busy_deadline - Clock::now()));
       backoff = std::min(2 * backoff, std::chrono::milliseconds(1000));
+    } catch (const TransportError&) {  // no "begun" in time: the begin may still be read later
+      abort_without_waiting();
+      throw;
     }
   }
   times.begin_ms = ms_since(t0);
@@ -495,7 +517,8 @@ UpdateAckMsg Client::PushWeights(const std::vector<TensorBytes>& tensors, Policy
     ReleaseBorrowedFrames();
     throw;
   } catch (const TransportError&) {  // no reply in time, a failed send: the worker may be gone
-    ReleaseBorrowedFrames();
+    ReleaseBorrowedFrames();  // first: it may reconnect, dropping what is queued
+    abort_without_waiting();
     throw;
   }
 }

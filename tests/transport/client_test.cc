@@ -16,6 +16,8 @@
 #include <cstring>
 #include <mutex>
 #include <thread>
+#include <type_traits>
+#include <variant>
 #include <zmq.hpp>
 
 #include "transport/protocol.h"
@@ -213,6 +215,111 @@ TEST(ClientTest, APushEndsAtOnceWhenTheWorkerShutsDown) {
     EXPECT_LT(Clock::now() - t0, std::chrono::seconds(10));
     const std::vector<std::string> received = worker.received();
     EXPECT_EQ(std::count(received.begin(), received.end(), "update_abort"), 0);
+  }
+}
+
+/// A ROUTER that records the type and update_id of every message it receives and answers
+/// update_begin with "begun" when `answer_begin`, nothing else: a worker stalled (a VM pause,
+/// SIGSTOP) past the client's timeout, whose socket still takes in what the client sends.
+class SilentWorker {
+ public:
+  explicit SilentWorker(bool answer_begin) : answer_begin_(answer_begin), router_(context_, zmq::socket_type::router) {
+    router_.set(zmq::sockopt::linger, 0);
+    router_.bind("tcp://127.0.0.1:*");
+    endpoint_ = router_.get(zmq::sockopt::last_endpoint);
+    thread_ = std::thread([this] { Loop(); });
+  }
+  ~SilentWorker() {
+    stop_ = true;
+    thread_.join();
+  }
+  const std::string& endpoint() const { return endpoint_; }
+  /// "type update_id" per message received, in order.
+  std::vector<std::string> received() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return received_;
+  }
+
+ private:
+  void Loop() {
+    while (!stop_) {
+      zmq_pollitem_t item = {router_.handle(), 0, ZMQ_POLLIN, 0};
+      if (zmq_poll(&item, 1, 20) <= 0) continue;
+      std::vector<zmq::message_t> frames;
+      do {
+        frames.emplace_back();
+        (void)router_.recv(frames.back());
+      } while (frames.back().more());
+      Decoded<ClientMessage> decoded = DecodeClientMessage(frames[1].data(), frames[1].size());
+      if (!decoded.ok()) continue;
+      std::string update_id;
+      std::visit(
+          [&](const auto& m) {
+            if constexpr (std::is_same_v<std::decay_t<decltype(m)>, UpdateBeginMsg> ||
+                          std::is_same_v<std::decay_t<decltype(m)>, UpdateCommitMsg> ||
+                          std::is_same_v<std::decay_t<decltype(m)>, UpdateAbortMsg>) {
+              update_id = m.update_id;
+            }
+          },
+          *decoded.message);
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        received_.push_back(std::string(TypeName(*decoded.message)) + " " + update_id);
+      }
+      if (const auto* begin = std::get_if<UpdateBeginMsg>(&*decoded.message); begin && answer_begin_) {
+        UpdateAckMsg ack;
+        ack.id = begin->id;
+        ack.update_id = begin->update_id;
+        ack.stage = UpdateStage::kBegun;
+        router_.send(zmq::buffer(frames[0].data(), frames[0].size()), zmq::send_flags::sndmore);
+        router_.send(zmq::buffer(EncodeWorkerMessage(ack)));
+      }
+    }
+  }
+
+  const bool answer_begin_;
+  zmq::context_t context_{1};
+  zmq::socket_t router_;
+  std::string endpoint_;
+  std::thread thread_;
+  std::atomic<bool> stop_{false};
+  std::mutex mu_;
+  std::vector<std::string> received_;
+};
+
+// A push that times out (no "begun", or no ack to its commit) queues an update_abort for its
+// update, so that a worker that was only stalled ends the update as soon as it reads again
+// instead of answering a retry "busy" until its update_timeout_ms.
+TEST(ClientTest, APushThatTimesOutAbortsItsUpdateOnTheWorker) {
+  std::vector<float> values(1 << 12, 0.5f);
+  const std::vector<TensorBytes> tensors = {
+      {"model.norm.weight", policy::DType::kF32, {1 << 12}, values.data(), values.size() * sizeof(float)}};
+  for (const bool answer_begin : {false, true}) {
+    SCOPED_TRACE(answer_begin ? "timed out at the commit" : "timed out at the begin");
+    SilentWorker worker(answer_begin);
+    Client client;
+    ClientOptions options;
+    options.timeout_ms = 300;
+    client.Connect(worker.endpoint(), options);
+    PushOptions push;
+    push.update_id = "u1";
+    try {
+      client.PushWeights(tensors, 1, push);
+      ADD_FAILURE() << "the push succeeded";
+    } catch (const WorkerError& e) {
+      ADD_FAILURE() << "a silent worker gave an error: " << e.what();
+    } catch (const TransportError&) {
+    }
+    std::vector<std::string> received;
+    for (const auto deadline = Clock::now() + std::chrono::seconds(10); Clock::now() < deadline;) {
+      received = worker.received();
+      if (std::count(received.begin(), received.end(), "update_abort u1") > 0) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    ASSERT_FALSE(received.empty());
+    EXPECT_EQ(received.front(), "update_begin u1");
+    EXPECT_EQ(received.back(), "update_abort u1") << "no abort after the update's messages";
+    EXPECT_EQ(std::count(received.begin(), received.end(), "update_commit u1"), answer_begin ? 1 : 0);
   }
 }
 

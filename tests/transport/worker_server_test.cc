@@ -428,6 +428,24 @@ TEST(WorkerServerTest, ErrorsEchoTheRequestId) {
   EXPECT_NE(e.message.find("259"), std::string::npos) << e.message;
 }
 
+// Two requests of one Client::Generate call under one request_id: refused before anything is
+// sent (the worker would refuse the second only while the first still runs, and the samples of
+// both would carry the same (request_id, sample_index)).
+TEST(WorkerServerTest, ClientGenerateRefusesARequestIdTwiceInOneCall) {
+  WorkerHarness worker;
+  auto client = Connect(worker.endpoint());
+  try {
+    (void)client->Generate({MakeRequest("a", {1, 2}, 2), MakeRequest("b", {1, 3}, 2), MakeRequest("a", {1, 4}, 2)});
+    ADD_FAILURE() << "a request_id twice in one call was accepted";
+  } catch (const WorkerError& e) {
+    ADD_FAILURE() << "sent to the worker: " << e.what();
+  } catch (const TransportError& e) {
+    EXPECT_STREQ(e.what(), "request_id 'a' appears more than once in one Generate call");
+  }
+  EXPECT_EQ(client->Stats().num_finished_samples, 0);  // nothing was sent
+  EXPECT_EQ(client->Generate({MakeRequest("a", {1, 2}, 2), MakeRequest("b", {1, 3}, 2)}).size(), 2u);
+}
+
 // A header over max_message_bytes (but under kMaxHeaderBytes, so the worker reads it) is answered
 // under its own id: the C++ client then reports too_large for its call instead of timing out
 // (the error used to carry an empty id, which every client drops as matching no request).
