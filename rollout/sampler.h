@@ -1,9 +1,11 @@
 #pragma once
 // Token sampling from one row of logits, with the logprob an RL trainer needs.
 //
-// Logprob convention (vLLM's default, the behavior policy's distribution):
+// Logprob convention (the behavior policy's distribution, as issue 4 specifies it):
 //   logprob = log_softmax(logits / temperature)[token], computed BEFORE top-k / top-p
 //   truncation. At temperature 0 (greedy) it is log_softmax(logits)[token], i.e. temperature 1.
+//   (vLLM V1's default logprobs_mode, raw_logprobs, is log_softmax(logits)[token] at every
+//   temperature; its processed_logprobs is taken after temperature and truncation.)
 // Torch-free: works on a float row so that its cost and determinism are ours to control.
 
 #include <cstdint>
