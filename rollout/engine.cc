@@ -792,8 +792,8 @@ std::vector<SampleResult> Engine::Generate(const std::vector<Request>& requests)
     if (!*stepped && got < expected) {
       fail(std::runtime_error(fmt::format("engine went idle with {} of {} samples unfinished ({})", expected - got,
                                           expected,
-                                          paused() ? "the engine is paused: Resume() it, or Start() its thread "
-                                                     "and wait"
+                                          paused() ? "the engine is paused: Resume() it (with the engine thread "
+                                                     "running, Generate waits for a Resume)"
                                                    : "min_policy_version not reached?")));
     }
   }

@@ -200,7 +200,7 @@ class Engine {
   /// buffers and are applied by copy and a repack on the engine thread. Any thread.
   /// A staging may outlive its engine: the engine's destructor aborts the bound staging's open
   /// transaction and detaches it from the model's buffers (it then stages into its own, and no
-  /// engine applies it). Do not call it on another thread while the engine is being destroyed.
+  /// engine applies it). No thread may use the bound staging while the engine is being destroyed.
   std::shared_ptr<policy::WeightUpdateStaging> MakeStaging();
 
   /// Hands a verified transaction to the engine thread, which at its next safe point (after

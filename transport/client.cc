@@ -10,6 +10,7 @@
 #include <random>
 #include <tuple>
 #include <unordered_map>
+#include <stdexcept>
 #include <unordered_set>
 
 #include <fmt/format.h>
@@ -274,7 +275,8 @@ void Client::Generate(const std::vector<rollout::Request>& requests,
     std::unordered_set<std::string> ids;
     for (const rollout::Request& r : requests) {
       if (!ids.insert(r.request_id).second) {
-        throw TransportError(fmt::format("request_id '{}' appears more than once in one Generate call", r.request_id));
+        throw std::invalid_argument(
+            fmt::format("request_id '{}' appears more than once in one Generate call", r.request_id));
       }
     }
   }
@@ -421,7 +423,9 @@ UpdateAckMsg Client::PushWeights(const std::vector<TensorBytes>& tensors, Policy
     std::random_device rd;
     update_id = fmt::format("v{}-{:08x}{:08x}", version, rd(), rd());
   }
-  const std::string prefix = update_id + "/";
+  // Message ids are this call's own (update_id, then a per-call number): a retry under the same
+  // update_id never takes a late reply to an earlier, abandoned call's begin or commit for its own.
+  const std::string prefix = fmt::format("{}/{}/", update_id, NextId("p"));
   const int64_t timeout_ms = impl_->options.timeout_ms;
   auto ms_since = [](Clock::time_point t) {
     return std::chrono::duration<double, std::milli>(Clock::now() - t).count();

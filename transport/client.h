@@ -123,7 +123,8 @@ class Client {
   /// accepted sample arrived (no reply within timeout_ms, on_sample threw), it first sends an
   /// abort for each unfinished request (best effort, not awaited), so that the worker stops
   /// generating them; their request ids are free again once the worker has ended them. Two
-  /// requests with the same request_id in one call throw TransportError before anything is sent.
+  /// requests with the same request_id in one call throw std::invalid_argument before anything is
+  /// sent.
   void Generate(const std::vector<rollout::Request>& requests,
                 const std::function<void(rollout::SampleResult)>& on_sample);
   /// Generate, collecting every sample; ordered by (request_id, sample_index), as
@@ -140,9 +141,13 @@ class Client {
   /// sends them straight from `tensors`), update_commit, then waits for the "applied" ack (or
   /// "verified" with apply false) and returns it. On any error reply it sends update_abort (so
   /// the worker does not hold the update until its timeout) and throws WorkerError; when no
-  /// reply comes within timeout_ms it queues an update_abort without waiting for its reply (a
-  /// stalled worker that reads again then ends the update at once rather than answering a retry
-  /// "busy" until its update_timeout_ms) and throws TransportError. Checksums
+  /// reply comes within timeout_ms it queues an update_abort without waiting for its reply and
+  /// throws TransportError. Best effort: a stalled worker that reads again ends the update at
+  /// once rather than answering a retry "busy" until its update_timeout_ms; but when chunks were
+  /// still unsent, the client reconnects first (see above), and the worker honours an abort from
+  /// the new connection only once it has seen the old one gone. So after a TransportError the
+  /// update is being aborted: a two-phase caller cannot still apply it, and an AbortUpdate of
+  /// its own may be answered unknown_update. Checksums
   /// (XXH3-64 of each tensor's bytes) are computed here. `timings`, when given, is filled in on
   /// success.
   UpdateAckMsg PushWeights(const std::vector<TensorBytes>& tensors, PolicyVersion version,

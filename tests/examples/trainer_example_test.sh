@@ -82,6 +82,7 @@ run_case() {
       fail "a trainer key not on the worker's list was accepted"
     fi
     grep -q "pushed version" "$dir/unknown-example.out" && fail "a trainer key not on the list pushed weights"
+    grep -q "no reply" "$dir/unknown-example.err" || fail "a trainer key not on the list: no timeout ('no reply')"
   fi
   "$EXAMPLE" --endpoint "$endpoint" --n 3 --max-new-tokens 12 --timeout-ms 60000 --shutdown-worker "$@" \
     ${example_extra[@]+"${example_extra[@]}"} \
@@ -116,7 +117,7 @@ if [ -n "$KEYGEN" ]; then
   expect_example_refused() {
     local name="$1" message="$2"
     shift 2
-    if timeout 60 "$EXAMPLE" --endpoint "ipc://$dir/none.sock" --timeout-ms 60000 "$@" \
+    if timeout 10 "$EXAMPLE" --endpoint "ipc://$dir/none.sock" --timeout-ms 2000 "$@" \
       >"$dir/$name.out" 2>"$dir/$name.err"; then
       fail "$name: accepted: $*"
     fi

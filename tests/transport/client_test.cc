@@ -239,6 +239,11 @@ class SilentWorker {
     std::lock_guard<std::mutex> lock(mu_);
     return received_;
   }
+  /// The message id of every update_begin received, in order.
+  std::vector<std::string> begin_ids() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return begin_ids_;
+  }
 
  private:
   void Loop() {
@@ -266,6 +271,10 @@ class SilentWorker {
         std::lock_guard<std::mutex> lock(mu_);
         received_.push_back(std::string(TypeName(*decoded.message)) + " " + update_id);
       }
+      if (const auto* begin = std::get_if<UpdateBeginMsg>(&*decoded.message)) {
+        std::lock_guard<std::mutex> lock(mu_);
+        begin_ids_.push_back(begin->id);
+      }
       if (const auto* begin = std::get_if<UpdateBeginMsg>(&*decoded.message); begin && answer_begin_) {
         UpdateAckMsg ack;
         ack.id = begin->id;
@@ -285,6 +294,7 @@ class SilentWorker {
   std::atomic<bool> stop_{false};
   std::mutex mu_;
   std::vector<std::string> received_;
+  std::vector<std::string> begin_ids_;
 };
 
 // A push that times out (no "begun", or no ack to its commit) queues an update_abort for its
@@ -299,7 +309,8 @@ TEST(ClientTest, APushThatTimesOutAbortsItsUpdateOnTheWorker) {
     SilentWorker worker(answer_begin);
     Client client;
     ClientOptions options;
-    options.timeout_ms = 300;
+    // The commit case needs "begun" within the timeout, also on a loaded machine.
+    options.timeout_ms = answer_begin ? 2000 : 300;
     client.Connect(worker.endpoint(), options);
     PushOptions push;
     push.update_id = "u1";
@@ -321,6 +332,30 @@ TEST(ClientTest, APushThatTimesOutAbortsItsUpdateOnTheWorker) {
     EXPECT_EQ(received.back(), "update_abort u1") << "no abort after the update's messages";
     EXPECT_EQ(std::count(received.begin(), received.end(), "update_commit u1"), answer_begin ? 1 : 0);
   }
+}
+
+// A retry under the same update_id sends messages under ids of its own, so that late replies to
+// the abandoned call (its begin's "begun", a busy refusal) are never taken for the retry's.
+TEST(ClientTest, ARetryUnderTheSameUpdateIdUsesMessageIdsOfItsOwn) {
+  std::vector<float> values(16, 0.5f);
+  const std::vector<TensorBytes> tensors = {
+      {"model.norm.weight", policy::DType::kF32, {16}, values.data(), values.size() * sizeof(float)}};
+  SilentWorker worker(/*answer_begin=*/false);
+  Client client;
+  ClientOptions options;
+  options.timeout_ms = 200;
+  client.Connect(worker.endpoint(), options);
+  PushOptions push;
+  push.update_id = "same";
+  for (int i = 0; i < 2; ++i) EXPECT_THROW(client.PushWeights(tensors, 1, push), TransportError);
+  std::vector<std::string> ids;
+  for (const auto deadline = Clock::now() + std::chrono::seconds(10); ids.size() < 2 && Clock::now() < deadline;) {
+    ids = worker.begin_ids();
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  ASSERT_EQ(ids.size(), 2u);
+  EXPECT_NE(ids[0], ids[1]);
+  EXPECT_EQ(ids[0].rfind("same/", 0), 0u) << ids[0];
 }
 
 /// An anonymous mapping of `num_bytes`, filled with a pattern; unmapped by Unmap or the destructor.

@@ -115,6 +115,9 @@ class GenerateTest(FakeWorkerTestCase):
                                  n=2)
         with self.assertRaisesRegex(ValueError, r"n=2\) conflicts with sampling_params\.n = 3"):
             self.client.generate([[1]], SamplingParams(max_tokens=2, n=3), n=2)
+        for bad in (SamplingParams(n=0), SamplingParams(n=True), SamplingParams(n=2.0)):  # checked all the same
+            with self.assertRaisesRegex(ValueError, r"sampling_params\.n"):
+                self.client.generate([[1]], bad, n=2)
         self.assertEqual(sum(len(w.received) for w in self.workers), num_sent)
         for bad in (SamplingParams(n=0), SamplingParams(n=True), SamplingParams(n=2.0)):
             with self.assertRaisesRegex(ValueError, r"sampling_params\.n"):

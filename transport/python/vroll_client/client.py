@@ -683,10 +683,11 @@ class VrollClient:
                         raise
                     raise type(exc)(f"sampling_params[{i}]: {exc}") from None
             sp_name = "sampling_params.n" if isinstance(sampling_params, SamplingParams) else f"sampling_params[{i}].n"
+            sp_n = _check_n(sp.n, sp_name)
             if n is None:
-                num_samples = _check_n(sp.n, sp_name)
+                num_samples = sp_n
             else:
-                if sp.n != 1 and sp.n != n:
+                if sp_n != 1 and sp_n != n:
                     raise ValueError(f"generate(n={n}) conflicts with {sp_name} = {sp.n!r}: give the "
                                      f"number of samples in one of them")
                 num_samples = n

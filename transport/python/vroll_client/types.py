@@ -26,8 +26,8 @@ class SamplingParams:
       include_stop_token: whether the stop token (and its logprob) is part of the output.
       seed: seed of the request's generators (sample i draws from stream (seed, i)); None lets
         the worker draw one.
-      n: samples per prompt (a GRPO group), as in vLLM; or ``generate(..., n=k)`` (both, with
-        different values, is a ValueError).
+      n: samples per prompt (a GRPO group), as in vLLM; or ``generate(..., n=k)`` (a value
+        other than 1 here that differs from that k is a ValueError).
     The worker validates the values and answers a bad one with error ``bad_field`` naming
     ``sampling.<field>``; the client only checks types (to_wire) and converts them.
 
