@@ -217,10 +217,25 @@ ModelConfig ParseConfig(const json& root, const std::string& path) {
 
   // Refuse whatever would make the model compute something else than ours.
   if (!r.IsAbsentOrNull("rope_scaling")) {
-    r.Fail("rope_scaling", fmt::format("= {} is not supported (only plain RoPE: rope_scaling absent or null)",
-                                       Show(*r.Find("rope_scaling"))));
+    // {"rope_type": "default"} (or "type") is plain RoPE to transformers too.
+    const json& scaling = *r.Find("rope_scaling");
+    const bool plain = scaling.is_object() && !scaling.empty() &&
+                       std::all_of(scaling.items().begin(), scaling.items().end(), [](const auto& item) {
+                         return (item.key() == "rope_type" || item.key() == "type") && item.value().is_string() &&
+                                item.value().template get<std::string>() == "default";
+                       });
+    if (!plain) {
+      r.Fail("rope_scaling", fmt::format("= {} is not supported (only plain RoPE: rope_scaling absent, null or "
+                                         "{{\"rope_type\": \"default\"}})",
+                                         Show(scaling)));
+    }
   }
-  r.RequireStringIfPresent("hidden_act", "silu", "the feed-forward is SwiGLU");
+  if (const json* act = r.Find("hidden_act");
+      act != nullptr && !(act->is_string() && (act->get<std::string>() == "silu" || act->get<std::string>() == "swish"))) {
+    r.Fail("hidden_act", fmt::format("= {} is not supported: only \"silu\" (or \"swish\", the same function; the "
+                                     "feed-forward is SwiGLU)",
+                                     Show(*act)));
+  }
   r.RequireNotTrue("quantization_config", "weights must be F32, F16 or BF16");
   if (qwen2) {
     r.RequireNotTrue("use_sliding_window", "attention is over the full context");
@@ -777,6 +792,22 @@ void SaveHfCheckpoint(const Checkpoint& checkpoint, const std::string& dir, cons
   }
   ValidateWeights(config, checkpoint.weights, dir);
   DTypeSize(options.dtype);  // throws on a value outside the enumerators
+  // A finite weight that rounds to inf in the 16-bit type (float16: |x| >= 65520) would be saved
+  // as inf: refused before anything is written, naming it (loaders other than ours take inf).
+  if (options.dtype != DType::kF32) {
+    const bool half = options.dtype == DType::kF16;
+    for (const auto& [name, tensor] : checkpoint.weights) {
+      for (size_t i = 0; i < tensor.data.size(); ++i) {
+        const uint16_t bits = half ? FloatToHalf(tensor.data[i]) : FloatToBFloat16(tensor.data[i]);
+        if ((bits & (half ? 0x7c00u : 0x7f80u)) == (half ? 0x7c00u : 0x7f80u)) {
+          throw ConfigError(fmt::format("{}: weight {} element {} = {} is beyond the range of {} (largest finite {}); "
+                                        "save it as {}",
+                                        dir, name, i, tensor.data[i], DTypeName(options.dtype),
+                                        half ? "65504" : "3.39e38", half ? "bf16 or f32" : "f32"));
+        }
+      }
+    }
+  }
 
   // Plan the shards: tensors in ExpectedWeightShapes order, a new shard when the next tensor
   // would push the current one past max_shard_bytes.

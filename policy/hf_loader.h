@@ -39,8 +39,9 @@ namespace vroll::policy {
 ///   rope_theta                10000 (or rope_parameters.rope_theta, transformers >= 4.57)
 ///   tie_word_embeddings       false (both Llama and Qwen2)
 /// Everything that would make the model compute something else is refused with a LoadError
-/// naming the field: rope_scaling not null, rope_parameters with a rope_type other than
-/// "default", hidden_act other than "silu", head_dim != hidden_size / num_attention_heads,
+/// naming the field: rope_scaling other than null or {"rope_type" (or "type"): "default"},
+/// rope_parameters with a rope_type other than "default", hidden_act other than "silu" (or
+/// "swish", the same function to transformers), head_dim != hidden_size / num_attention_heads,
 /// Llama attention_bias or mlp_bias true, Qwen2 use_sliding_window true, layer_types other than
 /// "full_attention", quantization_config present, model_type inconsistent with architectures.
 /// The result has rope_layout = kHalfSplit (rotate_half).
@@ -76,7 +77,9 @@ struct HfSaveOptions {
 /// is not written. Creates `dir` if needed and first removes what an earlier save there left
 /// (model.safetensors, model.safetensors.index.json, model-*-of-*.safetensors) so that a load
 /// can never mix two saves. With dtype kF32 a save/load round trip is bit-exact.
-/// Throws ConfigError if the config is invalid or not representable (rope_layout must be
+/// Throws ConfigError, before writing anything, for a weight that rounds to inf in the 16-bit
+/// dtype asked for (naming the tensor and element), and if the config is invalid or not
+/// representable (rope_layout must be
 /// kHalfSplit: convert llama2.c weights with PermuteForHalfSplitRope first), LoadError (from
 /// ValidateWeights) if the weights do not match the config, std::runtime_error if a file
 /// cannot be written.

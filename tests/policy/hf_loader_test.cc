@@ -448,6 +448,55 @@ TEST_F(HfLoaderTest, SaveReplacesAnEarlierSaveInTheSameDirectory) {
   EXPECT_TRUE(BitEqual(LoadHfCheckpoint(Dir()).weights, saved.weights));
 }
 
+// A weight beyond float16's range is refused when saving as f16, before anything is written (a
+// checkpoint holding inf is what other loaders would take); bf16 has the range.
+TEST_F(HfLoaderTest, SavingAWeightBeyondTheDTypesRangeIsRefusedBeforeWriting) {
+  Checkpoint ckpt = MakeRandomCheckpoint(SmallConfig(), 5, 0.3);
+  ckpt.weights.at("model.layers.0.self_attn.v_proj.weight").data[3] = 1e6f;
+  HfSaveOptions f16;
+  f16.dtype = DType::kF16;
+  const std::string out = PathOf("out");
+  try {
+    SaveHfCheckpoint(ckpt, out, f16);
+    ADD_FAILURE() << "1e6 was saved as float16";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("weight model.layers.0.self_attn.v_proj.weight element 3 = 1000000 is beyond "
+                                         "the range of float16"),
+              std::string::npos)
+        << e.what();
+  }
+  EXPECT_FALSE(fs::exists(out));
+  // 65504 is float16's largest finite value: kept.
+  ckpt.weights.at("model.layers.0.self_attn.v_proj.weight").data[3] = 65504.0f;
+  SaveHfCheckpoint(ckpt, out, f16);
+  EXPECT_EQ(LoadHfCheckpoint(out).weights.at("model.layers.0.self_attn.v_proj.weight").data[3], 65504.0f);
+  ckpt.weights.at("model.layers.0.self_attn.v_proj.weight").data[3] = 1e6f;
+  HfSaveOptions bf16;
+  bf16.dtype = DType::kBF16;
+  SaveHfCheckpoint(ckpt, out, bf16);
+  // 1e6 = 0x49742400 rounds to bfloat16 0x4974 = 999424.
+  EXPECT_EQ(LoadHfCheckpoint(out).weights.at("model.layers.0.self_attn.v_proj.weight").data[3], 999424.0f);
+}
+
+// What transformers reads as plain RoPE and SiLU loads as such.
+TEST_F(HfLoaderTest, PlainRopeScalingAndSwishLoad) {
+  const Checkpoint saved = SaveSmall();
+  ConfigFields fields = LlamaFields(saved.config);
+  for (const char* scaling : {"{\"rope_type\": \"default\"}", "{\"type\": \"default\"}"}) {
+    SCOPED_TRACE(scaling);
+    fields["rope_scaling"] = scaling;
+    fields["hidden_act"] = "\"swish\"";
+    WriteBytes(PathOf("config.json"), ConfigText(fields));
+    const Checkpoint loaded = LoadHfCheckpoint(Dir());
+    EXPECT_EQ(loaded.config.ToString(), saved.config.ToString());
+  }
+  // Anything more in rope_scaling is still refused.
+  fields["rope_scaling"] = "{\"rope_type\": \"default\", \"factor\": 2.0}";
+  ExpectConfigError(fields, {"rope_scaling", "not supported"});
+  fields["rope_scaling"] = "{}";
+  ExpectConfigError(fields, {"rope_scaling", "not supported"});
+}
+
 TEST_F(HfLoaderTest, ShardedLoadEqualsSingleFileLoad) {
   HfSaveOptions sharded;
   sharded.max_shard_bytes = 30'000;
