@@ -63,6 +63,7 @@ class FakeWorker:
       reverse: hold samples until the socket is idle, then send them newest first.
       gate_min_policy_version: a generate whose min_policy_version is above ``version`` is
         accepted and never answered (as a worker waiting for a push that does not come).
+      silent_health: never answer health (a stopped worker, as far as a health check can tell).
       update_version, paused: reported by health (the version of an open update, 0: none;
         whether the worker is paused: it still answers here).
       delay_with_probes_s: hold each accepted request's samples this long (a request waiting on
@@ -87,6 +88,7 @@ class FakeWorker:
         self.max_pending = 0
         self.num_refused_overloaded = 0
         self.silent = False
+        self.silent_health = False
         self.hang_after_accept = False
         self.reverse = False
         self.gate_min_policy_version = False
@@ -199,6 +201,8 @@ class FakeWorker:
         if type_ == "abort":
             return [{"v": 1, "type": "abort_ack", "id": h.get("id", ""),
                      "request_id": h["request_id"]}]
+        if type_ == "health" and self.silent_health and h.get("id"):
+            return []
         if type_ == "health":
             return [{"v": 1, "type": "health", "id": h["id"], "ok": True,
                      "policy_version": self.version, "update_version": self.update_version,

@@ -261,6 +261,26 @@ class GenerateTest(FakeWorkerTestCase):
         outs = self.client.generate([[1], [2]], SamplingParams(max_tokens=2), min_policy_version=2)
         self.assertEqual({o.worker for o in outs}, {up.endpoint})
 
+    def test_a_worker_silent_at_the_last_version_check_is_waited_for_briefly_until_it_answers(self):
+        up, silent = self.workers
+        up.version = silent.version = 2
+        silent.silent_health = True
+        self.client.timeout_s = 3.0
+        timings = []
+        for _ in range(2):
+            started = time.monotonic()
+            outs = self.client.generate([[1], [2]], SamplingParams(max_tokens=2), min_policy_version=2)
+            timings.append(time.monotonic() - started)
+            self.assertEqual({o.worker for o in outs}, {up.endpoint})
+        self.assertGreaterEqual(timings[0], 3.0)  # the full check: it may only be slow
+        self.assertLess(timings[1], 2.5)  # silent last time: waited for 1 s only
+        # Once it answers again (within that second) it is used, and waited for in full again.
+        silent.silent_health = False
+        outs = self.client.generate([[1], [2], [3], [4]], SamplingParams(max_tokens=2),
+                                    min_policy_version=2)
+        self.assertEqual({o.worker for o in outs}, {up.endpoint, silent.endpoint})
+        self.assertFalse(any(w.silent_at_version_check for w in self.client._workers))
+
     def test_probes_do_not_hide_a_worker_whose_runnable_requests_make_no_progress(self):
         # The probes come from the worker's transport thread: they say the process is alive, not
         # that its engine progresses (paused, stuck). Requests that could run must still answer

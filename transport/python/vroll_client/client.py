@@ -51,6 +51,10 @@ _KEEPALIVE_FRACTION = 1.0 / 3.0
 #: How long a generate with a min_policy_version waits for the workers' health replies that
 #: tell it where that version runs (at most timeout_s).
 _VERSION_CHECK_TIMEOUT_S = 10.0
+# A worker that did not answer the last version check is waited for this long only, so that a
+# stopped worker does not cost every generate call the full check; it is waited for in full
+# again once it answers.
+_SILENT_RECHECK_S = 1.0
 
 
 def _keepalive_period(ack: Mapping[str, Any]) -> Optional[float]:
@@ -86,6 +90,8 @@ class _Worker:
         self._linger_ms = linger_ms
         # Replaced by reset().
         self.socket: zmq.Socket = self._connect()
+        # Whether it left the last min_policy_version health check unanswered.
+        self.silent_at_version_check = False
         # generate() bookkeeping, reset at the start of every call (reset_generate()).
         self.last_heard = 0.0
         self.reset_generate()
@@ -409,7 +415,8 @@ class VrollClient:
               reply_type: str, request: str, timeout_s: Optional[float] = None,
               on_other: Optional[Callable[[_Worker, Dict[str, Any]], bool]] = None,
               update: bool = False,
-              keepalive: bool = False
+              keepalive: bool = False,
+              worker_timeouts: Optional[Dict[str, float]] = None
               ) -> Dict[str, Union[Dict[str, Any], Exception]]:
         """Sends make(id) to each worker and waits for each one's reply.
 
@@ -421,6 +428,7 @@ class VrollClient:
         worker whose reply says its update_timeout_ms is sent make(id) again every third of it
         while others are still awaited, so that its update stays open; an error answering one
         of those becomes the worker's result unless it already has an error.
+        ``worker_timeouts`` ({endpoint: seconds}) replaces timeout_s for those workers.
         """
         if self._iterating:  # before anything is sent
             raise RuntimeError("the client is in the middle of a generate_iter() iteration: finish "
@@ -436,18 +444,23 @@ class VrollClient:
             except VrollTimeoutError as exc:
                 results[w.endpoint] = exc
                 self._reset(w)
-        deadline = time.monotonic() + timeout_s
+        worker_timeouts = worker_timeouts or {}
+        start = time.monotonic()
+        deadline_of = {w.endpoint: start + worker_timeouts.get(w.endpoint, timeout_s) for w in workers}
         keep_due: Dict[str, float] = {}  # endpoint -> when to send its next keep-alive
         keep_period: Dict[str, float] = {}
         keep_ids: Dict[str, _Worker] = {}  # keep-alives sent, by message id
         while pending:
             now = time.monotonic()
-            remaining = deadline - now
-            if remaining <= 0:
-                for w in pending.values():
-                    results[w.endpoint] = VrollTimeoutError(w.endpoint, request, timeout_s)
+            for id_, w in list(pending.items()):
+                if deadline_of[w.endpoint] <= now:
+                    results[w.endpoint] = VrollTimeoutError(
+                        w.endpoint, request, worker_timeouts.get(w.endpoint, timeout_s))
                     self._reset(w)
+                    del pending[id_]
+            if not pending:
                 break
+            remaining = min(deadline_of[w.endpoint] for w in pending.values()) - now
             for endpoint, due in list(keep_due.items()):
                 if due > now:
                     continue
@@ -795,12 +808,17 @@ class VrollClient:
         counts, since an open update may never complete) would hold the requests until a push
         that the trainer, waiting for them, might not send. A worker that does not answer within
         _VERSION_CHECK_TIMEOUT_S is left out too when others qualify (else it is kept, and its
-        requests time out as any)."""
+        requests time out as any); while it stays silent, later calls wait for it only
+        _SILENT_RECHECK_S."""
+        check_s = min(self.timeout_s, _VERSION_CHECK_TIMEOUT_S)
         results = self._call(workers, lambda id_: protocol.make_control("health", id_), "health",
-                             "health", min(self.timeout_s, _VERSION_CHECK_TIMEOUT_S))
+                             "health", check_s,
+                             worker_timeouts={w.endpoint: min(check_s, _SILENT_RECHECK_S)
+                                              for w in workers if w.silent_at_version_check})
         ready = []
         for w in workers:
             result = results[w.endpoint]
+            w.silent_at_version_check = isinstance(result, VrollTimeoutError)
             if isinstance(result, Exception):
                 logger.info("%s: no health reply before generate (%s)", w.endpoint, result)
                 continue
