@@ -73,6 +73,15 @@ int main(int argc, char** argv) {
       ->capture_default_str()->check(vroll::examples::IntAtLeast(1));
   app.add_option("--max-pending", engine_config.max_pending_requests, "requests accepted and unfinished (beyond: overloaded)")
       ->capture_default_str()->check(vroll::examples::IntAtLeast(1));
+  app.add_option("--max-pending-per-client", worker_config.max_pending_per_client,
+                 "requests one client (connection) may have accepted and unfinished (beyond: overloaded); 0 = only "
+                 "--max-pending, which one client can then fill (e.g. with requests waiting on a version that never "
+                 "comes): set it when clients share a worker")
+      ->capture_default_str()->check(vroll::examples::IntAtLeast(0));
+  app.add_option("--max-queued-replies", worker_config.send_high_water_mark,
+                 "replies queued per client that does not read them before further ones are dropped (ZeroMQ's "
+                 "send high-water mark); per connection, so their memory adds up over clients")
+      ->capture_default_str()->check(vroll::examples::IntAtLeast(1));
   app.add_option("--max-message-mb", max_message_mb, "largest frame accepted, MiB")->capture_default_str()->check(vroll::examples::IntAtLeast(1));
   app.add_option("--update-timeout-ms", worker_config.update_timeout_ms, "abort an update silent for this long")
       ->capture_default_str()->check(vroll::examples::IntAtLeast(1));

@@ -12,6 +12,8 @@
 #include <fmt/format.h>
 #include <zmq.h>
 
+#include "policy/logging.h"
+
 namespace vroll::transport {
 
 namespace {
@@ -96,6 +98,11 @@ std::string ReadCurveSecretKeyFile(const std::string& path) {
                                      path));
   }
   const std::string secret = ReadCurveKeyFile(path);
+  struct stat st;
+  if (::stat(path.c_str(), &st) == 0 && (st.st_mode & 077) != 0) {
+    vroll::Logger("transport").warn("{}: this secret key file is readable by others (mode {:04o}): chmod 600 it",
+                             path, st.st_mode & 07777);
+  }
   if (EndsWith(path, ".key")) {
     const std::string public_path = path.substr(0, path.size() - 4) + ".pub";
     if (::access(public_path.c_str(), R_OK) == 0) {

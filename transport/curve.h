@@ -43,6 +43,7 @@ std::string ReadCurveKeyFile(const std::string& path);
 /// ReadCurveKeyFile for a secret key, refusing the mix-ups that would otherwise only show as
 /// clients timing out: a path ending in ".pub" (vroll-keygen's public half), and a NAME.key whose
 /// NAME.pub beside it holds the public key of another pair. Throws TransportError naming both.
+/// Logs a warning when the file is readable by its group or others.
 std::string ReadCurveSecretKeyFile(const std::string& path);
 
 /// Reads an allow-list file: one Z85 public key per line; blank and comment lines are skipped,

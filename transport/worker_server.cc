@@ -187,6 +187,9 @@ void WorkerConfig::Validate() const {
   if (shutdown_grace_ms < 0) fail(fmt::format("shutdown_grace_ms = {} must be >= 0", shutdown_grace_ms));
   if (linger_ms < 0) fail(fmt::format("linger_ms = {} must be >= 0", linger_ms));
   if (send_high_water_mark < 0) fail(fmt::format("send_high_water_mark = {} must be >= 0", send_high_water_mark));
+  if (max_pending_per_client < 0) {
+    fail(fmt::format("max_pending_per_client = {} must be >= 0 (0 = no limit)", max_pending_per_client));
+  }
   if (heartbeat_ms < 0 || heartbeat_ms > 3600 * 1000) {
     fail(fmt::format("heartbeat_ms = {} must be in [0, 3600000] (0 = off)", heartbeat_ms));
   }
@@ -217,9 +220,9 @@ std::string WorkerConfig::ToString() const {
   }
   return fmt::format(
       "endpoint {}, max_message_bytes {} ({:.1f} MiB), update_timeout_ms {}, shutdown_grace_ms {}, linger_ms {}, "
-      "send_high_water_mark {}, heartbeat_ms {}, CURVE {}",
+      "send_high_water_mark {}, max_pending_per_client {}, heartbeat_ms {}, CURVE {}",
       endpoint, max_message_bytes, max_message_bytes / 1048576.0, update_timeout_ms, shutdown_grace_ms, linger_ms,
-      send_high_water_mark, heartbeat_ms, curve_text);
+      send_high_water_mark, max_pending_per_client, heartbeat_ms, curve_text);
 }
 
 // ---- Server ----------------------------------------------------------------------------------------
@@ -686,6 +689,15 @@ struct WorkerServer::Impl {
         SendError(peer, m.id, ErrorCode::kBadField, fmt::format("sampling.stop_token_ids[{}]", i),
                   fmt::format("sampling.stop_token_ids[{}] = {} is outside the vocabulary [0, {})", i, stops[i],
                               model.vocab_size));
+        return;
+      }
+    }
+    if (config.max_pending_per_client > 0) {
+      const auto count = live_per_peer.find(peer);
+      if (count != live_per_peer.end() && count->second >= config.max_pending_per_client) {
+        SendError(peer, m.id, ErrorCode::kOverloaded, "",
+                  fmt::format("this client has {} requests pending (max_pending_per_client = {})", count->second,
+                              config.max_pending_per_client));
         return;
       }
     }

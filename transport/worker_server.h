@@ -54,8 +54,13 @@ struct WorkerConfig {
   /// How long replies still queued when the socket closes may take to go out, milliseconds.
   int linger_ms = 2000;
   /// Messages queued per client before ZeroMQ drops further replies to it (a client that stops
-  /// reading must not stall the worker).
+  /// reading must not stall the worker). Per connection: their memory adds up over clients.
   int send_high_water_mark = 100000;
+  /// Unfinished generate requests one client (connection) may hold; beyond it, `overloaded`
+  /// naming this limit. 0 = no limit of its own (the engine's max_pending_requests bounds all
+  /// clients together, so one client can then take every slot, e.g. with requests waiting on a
+  /// version that never comes). For workers shared by several clients.
+  int max_pending_per_client = 0;
   /// ZeroMQ heartbeats (ZMQ_HEARTBEAT_IVL, milliseconds; 0 = off): the worker PINGs each
   /// connection this often and closes one that answers nothing for 3 x heartbeat_ms, so that a
   /// client host that died without closing its TCP connection is noticed. Clients need nothing:

@@ -54,9 +54,12 @@ threads=$(( cores + 1 ))
 expect_refused too_many_threads "$threads threads on $cores cores" --threads "$threads" \
   --curve-secret-key "$dir/a.pub" --curve-trainer-keys "$dir/b.pub"
 
-# A key on both allow-lists starts, with a warning that it gets trainer rights.
+# A key on both allow-lists starts, with a warning that it gets trainer rights; a secret key file
+# others may read is warned about too.
+chmod 640 "$dir/a.key"
 "$WORKER" --endpoint "ipc://$dir/both.sock" --curve-secret-key "$dir/a.key" \
-  --curve-trainer-keys "$dir/b.pub" --curve-client-keys "$dir/b.pub" >"$dir/both.out" 2>"$dir/both.err" &
+  --curve-trainer-keys "$dir/b.pub" --curve-client-keys "$dir/b.pub" --max-queued-replies 1234 \
+  --max-pending-per-client 7 >"$dir/both.out" 2>"$dir/both.err" &
 worker_pid=$!
 for _ in $(seq 600); do
   grep -q "ipc://$dir/both.sock" "$dir/both.out" 2>/dev/null && break
@@ -65,6 +68,11 @@ for _ in $(seq 600); do
 done
 grep -q "is on both the trainer and the client allow-list" "$dir/both.err" ||
   fail "no warning for a key on both allow-lists"
+grep -qF "$dir/a.key: this secret key file is readable by others (mode 0640): chmod 600 it" "$dir/both.err" ||
+  fail "no warning for a secret key file others may read"
+# The queue options reach the worker's config (its one config line).
+grep -q "send_high_water_mark 1234, max_pending_per_client 7," "$dir/both.err" ||
+  fail "--max-queued-replies / --max-pending-per-client not in the worker's config"
 kill "$worker_pid"
 wait "$worker_pid" || fail "the worker did not exit cleanly on SIGTERM"
 worker_pid=""

@@ -1456,6 +1456,40 @@ TEST(WorkerServerTest, BeyondMaxPendingRequestsTheWorkerAnswersOverloaded) {
   EXPECT_EQ(client->Generate({MakeRequest("r3", {1, 2}, 3)}).size(), 1u);  // room again
 }
 
+// One client holding requests that wait on a version that never comes takes at most
+// max_pending_per_client slots: the others are still served (audit: with no per-client limit one
+// connection took all of max_pending_requests for as long as it stayed connected).
+TEST(WorkerServerTest, MaxPendingPerClientKeepsOneClientFromTakingEverySlot) {
+  rollout::EngineConfig engine = SmallEngineConfig();
+  engine.max_pending_requests = 5;
+  WorkerConfig config;
+  config.max_pending_per_client = 3;
+  WorkerHarness worker(config, engine);
+  auto hog = Connect(worker.endpoint());
+  for (int i = 0; i < 3; ++i) {
+    rollout::Request waits = MakeRequest("w" + std::to_string(i), {1, 2}, 3);
+    waits.min_policy_version = 1000;
+    hog->Send(GenerateMsg{"g" + std::to_string(i), waits});
+    EXPECT_EQ(NextAs<AcceptedMsg>(*hog).request_id, waits.request_id);
+  }
+  rollout::Request fourth = MakeRequest("w3", {1, 2}, 3);
+  fourth.min_policy_version = 1000;
+  hog->Send(GenerateMsg{"g3", fourth});
+  const ErrorMsg refused = NextAs<ErrorMsg>(*hog);
+  EXPECT_EQ(refused.id, "g3");
+  EXPECT_EQ(refused.code, ErrorCode::kOverloaded);
+  EXPECT_EQ(refused.message, "this client has 3 requests pending (max_pending_per_client = 3)");
+  // Another client is served meanwhile.
+  auto other = Connect(worker.endpoint());
+  EXPECT_EQ(other->Generate({MakeRequest("o1", {1, 2}, 3), MakeRequest("o2", {1, 3}, 3)}).size(), 2u);
+  // A slot the hog frees is its own again.
+  hog->Send(AbortMsg{"a", "w0"});
+  EXPECT_EQ(NextAs<AbortAckMsg>(*hog).request_id, "w0");
+  EXPECT_EQ(NextAs<SampleMsg>(*hog).result.finish_reason, FinishReason::kAborted);
+  hog->Send(GenerateMsg{"g4", fourth});
+  EXPECT_EQ(NextAs<AcceptedMsg>(*hog).request_id, "w3");
+}
+
 TEST(WorkerServerTest, AbortEndsUnfinishedSamples) {
   WorkerHarness worker;
   auto client = Connect(worker.endpoint());
