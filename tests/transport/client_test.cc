@@ -15,6 +15,7 @@
 #include <condition_variable>
 #include <cstring>
 #include <mutex>
+#include <optional>
 #include <thread>
 #include <type_traits>
 #include <variant>
@@ -118,33 +119,30 @@ class StalledWorker {
   bool stop_ = false;     // guarded by mu_
 };
 
-/// A ROUTER that answers update_begin with "begun" and then, on the first message whose type is
-/// `notice_after` (update_chunk or update_commit), sends the shutdown notice of docs/PROTOCOL.md
-/// (error shutting_down, field update_id, the begin's id) and answers nothing more; it records the
-/// types of the messages it receives.
-class ShuttingDownWorker {
+/// A ROUTER on tcp://127.0.0.1:* whose thread decodes each client message, hands it to Handle()
+/// and sends back what that returns. A derived class calls Start() at the end of its constructor
+/// and Stop() first in its destructor (the thread calls the derived Handle).
+class FakeRouter {
  public:
-  explicit ShuttingDownWorker(std::string notice_after)
-      : notice_after_(std::move(notice_after)), router_(context_, zmq::socket_type::router) {
+  const std::string& endpoint() const { return endpoint_; }
+
+ protected:
+  FakeRouter() : router_(context_, zmq::socket_type::router) {
     router_.set(zmq::sockopt::linger, 0);
     router_.bind("tcp://127.0.0.1:*");
     endpoint_ = router_.get(zmq::sockopt::last_endpoint);
-    thread_ = std::thread([this] { Loop(); });
   }
-  ~ShuttingDownWorker() {
+  virtual ~FakeRouter() = default;
+  void Start() { thread_ = std::thread([this] { Loop(); }); }  // the socket is the thread's from here on
+  void Stop() {
     stop_ = true;
-    thread_.join();
+    if (thread_.joinable()) thread_.join();
   }
-  const std::string& endpoint() const { return endpoint_; }
-  std::vector<std::string> received() {
-    std::lock_guard<std::mutex> lock(mu_);
-    return received_;
-  }
+  /// The reply to `message`, if any (on the router's thread).
+  virtual std::optional<WorkerMessage> Handle(const ClientMessage& message) = 0;
 
  private:
   void Loop() {
-    std::string begin_id;
-    bool noticed = false;
     while (!stop_) {
       zmq_pollitem_t item = {router_.handle(), 0, ZMQ_POLLIN, 0};
       if (zmq_poll(&item, 1, 20) <= 0) continue;
@@ -155,37 +153,64 @@ class ShuttingDownWorker {
       } while (frames.back().more());
       Decoded<ClientMessage> decoded = DecodeClientMessage(frames[1].data(), frames[1].size());
       if (!decoded.ok()) continue;
-      const std::string type = TypeName(*decoded.message);
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        received_.push_back(type);
+      if (std::optional<WorkerMessage> reply = Handle(*decoded.message)) {
+        router_.send(zmq::buffer(frames[0].data(), frames[0].size()), zmq::send_flags::sndmore);
+        router_.send(zmq::buffer(EncodeWorkerMessage(*reply)));
       }
-      WorkerMessage reply;
-      if (const auto* begin = std::get_if<UpdateBeginMsg>(&*decoded.message)) {
-        begin_id = begin->id;
-        UpdateAckMsg ack;
-        ack.id = begin->id;
-        ack.update_id = begin->update_id;
-        ack.stage = UpdateStage::kBegun;
-        reply = ack;
-      } else if (type == notice_after_ && !noticed) {
-        noticed = true;
-        reply = ErrorMsg{begin_id, ErrorCode::kShuttingDown, "update_id",
-                         "update aborted: the worker is shutting down", ""};
-      } else {
-        continue;
-      }
-      router_.send(zmq::buffer(frames[0].data(), frames[0].size()), zmq::send_flags::sndmore);
-      router_.send(zmq::buffer(EncodeWorkerMessage(reply)));
     }
   }
 
-  const std::string notice_after_;
   zmq::context_t context_{1};
-  zmq::socket_t router_;
+  zmq::socket_t router_;  // the Loop thread's once started
   std::string endpoint_;
   std::thread thread_;
   std::atomic<bool> stop_{false};
+};
+
+/// The "begun" ack to `begin`.
+UpdateAckMsg Begun(const UpdateBeginMsg& begin) {
+  UpdateAckMsg ack;
+  ack.id = begin.id;
+  ack.update_id = begin.update_id;
+  ack.stage = UpdateStage::kBegun;
+  return ack;
+}
+
+/// A ROUTER that answers update_begin with "begun" and then, on the first message whose type is
+/// `notice_after` (update_chunk or update_commit), sends the shutdown notice of docs/PROTOCOL.md
+/// (error shutting_down, field update_id, the begin's id) and answers nothing more; it records the
+/// types of the messages it receives.
+class ShuttingDownWorker : public FakeRouter {
+ public:
+  explicit ShuttingDownWorker(std::string notice_after) : notice_after_(std::move(notice_after)) { Start(); }
+  ~ShuttingDownWorker() override { Stop(); }
+  std::vector<std::string> received() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return received_;
+  }
+
+ private:
+  std::optional<WorkerMessage> Handle(const ClientMessage& message) override {
+    const std::string type = TypeName(message);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      received_.push_back(type);
+    }
+    if (const auto* begin = std::get_if<UpdateBeginMsg>(&message)) {
+      begin_id_ = begin->id;
+      return Begun(*begin);
+    }
+    if (type == notice_after_ && !noticed_) {
+      noticed_ = true;
+      return ErrorMsg{begin_id_, ErrorCode::kShuttingDown, "update_id", "update aborted: the worker is shutting down",
+                      ""};
+    }
+    return std::nullopt;
+  }
+
+  const std::string notice_after_;
+  std::string begin_id_;  // the router thread's
+  bool noticed_ = false;  // the router thread's
   std::mutex mu_;
   std::vector<std::string> received_;
 };
@@ -221,19 +246,10 @@ TEST(ClientTest, APushEndsAtOnceWhenTheWorkerShutsDown) {
 /// A ROUTER that records the type and update_id of every message it receives and answers
 /// update_begin with "begun" when `answer_begin`, nothing else: a worker stalled (a VM pause,
 /// SIGSTOP) past the client's timeout, whose socket still takes in what the client sends.
-class SilentWorker {
+class SilentWorker : public FakeRouter {
  public:
-  explicit SilentWorker(bool answer_begin) : answer_begin_(answer_begin), router_(context_, zmq::socket_type::router) {
-    router_.set(zmq::sockopt::linger, 0);
-    router_.bind("tcp://127.0.0.1:*");
-    endpoint_ = router_.get(zmq::sockopt::last_endpoint);
-    thread_ = std::thread([this] { Loop(); });
-  }
-  ~SilentWorker() {
-    stop_ = true;
-    thread_.join();
-  }
-  const std::string& endpoint() const { return endpoint_; }
+  explicit SilentWorker(bool answer_begin) : answer_begin_(answer_begin) { Start(); }
+  ~SilentWorker() override { Stop(); }
   /// "type update_id" per message received, in order.
   std::vector<std::string> received() {
     std::lock_guard<std::mutex> lock(mu_);
@@ -246,52 +262,27 @@ class SilentWorker {
   }
 
  private:
-  void Loop() {
-    while (!stop_) {
-      zmq_pollitem_t item = {router_.handle(), 0, ZMQ_POLLIN, 0};
-      if (zmq_poll(&item, 1, 20) <= 0) continue;
-      std::vector<zmq::message_t> frames;
-      do {
-        frames.emplace_back();
-        (void)router_.recv(frames.back());
-      } while (frames.back().more());
-      Decoded<ClientMessage> decoded = DecodeClientMessage(frames[1].data(), frames[1].size());
-      if (!decoded.ok()) continue;
-      std::string update_id;
-      std::visit(
-          [&](const auto& m) {
-            if constexpr (std::is_same_v<std::decay_t<decltype(m)>, UpdateBeginMsg> ||
-                          std::is_same_v<std::decay_t<decltype(m)>, UpdateCommitMsg> ||
-                          std::is_same_v<std::decay_t<decltype(m)>, UpdateAbortMsg>) {
-              update_id = m.update_id;
-            }
-          },
-          *decoded.message);
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        received_.push_back(std::string(TypeName(*decoded.message)) + " " + update_id);
-      }
-      if (const auto* begin = std::get_if<UpdateBeginMsg>(&*decoded.message)) {
-        std::lock_guard<std::mutex> lock(mu_);
-        begin_ids_.push_back(begin->id);
-      }
-      if (const auto* begin = std::get_if<UpdateBeginMsg>(&*decoded.message); begin && answer_begin_) {
-        UpdateAckMsg ack;
-        ack.id = begin->id;
-        ack.update_id = begin->update_id;
-        ack.stage = UpdateStage::kBegun;
-        router_.send(zmq::buffer(frames[0].data(), frames[0].size()), zmq::send_flags::sndmore);
-        router_.send(zmq::buffer(EncodeWorkerMessage(ack)));
-      }
-    }
+  std::optional<WorkerMessage> Handle(const ClientMessage& message) override {
+    std::string update_id;
+    std::visit(
+        [&](const auto& m) {
+          using T = std::decay_t<decltype(m)>;
+          if constexpr (std::is_same_v<T, UpdateBeginMsg> || std::is_same_v<T, UpdateCommitMsg> ||
+                        std::is_same_v<T, UpdateAbortMsg>) {
+            update_id = m.update_id;
+          }
+        },
+        message);
+    std::lock_guard<std::mutex> lock(mu_);
+    received_.push_back(std::string(TypeName(message)) + " " + update_id);
+    const auto* begin = std::get_if<UpdateBeginMsg>(&message);
+    if (begin == nullptr) return std::nullopt;
+    begin_ids_.push_back(begin->id);
+    if (!answer_begin_) return std::nullopt;
+    return Begun(*begin);
   }
 
   const bool answer_begin_;
-  zmq::context_t context_{1};
-  zmq::socket_t router_;
-  std::string endpoint_;
-  std::thread thread_;
-  std::atomic<bool> stop_{false};
   std::mutex mu_;
   std::vector<std::string> received_;
   std::vector<std::string> begin_ids_;
