@@ -232,6 +232,59 @@ bool StreamingCopyFindsNonFinite(uint8_t* dst, const uint8_t* src, size_t n) {
   return FirstNonFinite(src, n / sizeof(float)) != kNoElement;
 }
 
+using ByteRanges = std::vector<std::pair<uint64_t, uint64_t>>;
+
+/// Inserts [begin, end) into `written` (sorted, disjoint, merged half-open ranges):
+///   ... [prev.first, prev.second)   [begin, end)   [next.first, next.second) ...
+/// Touching ranges are merged, so a complete tensor is one range. Returns the overlap as
+/// "bytes [b, e) overlap bytes [x, y) already written" and changes nothing if there is one.
+std::optional<std::string> InsertWrittenRange(ByteRanges& written, uint64_t begin, uint64_t end) {
+  auto next = std::upper_bound(written.begin(), written.end(), begin,
+                               [](uint64_t value, const std::pair<uint64_t, uint64_t>& range) {
+                                 return value < range.first;
+                               });
+  const bool has_prev = next != written.begin();
+  const auto overlap = [&](const std::pair<uint64_t, uint64_t>& range) {
+    return fmt::format("bytes [{}, {}) overlap bytes [{}, {}) already written", begin, end, range.first,
+                       range.second);
+  };
+  if (has_prev && std::prev(next)->second > begin) return overlap(*std::prev(next));
+  if (next != written.end() && next->first < end) return overlap(*next);
+  const bool joins_prev = has_prev && std::prev(next)->second == begin;
+  const bool joins_next = next != written.end() && next->first == end;
+  if (joins_prev && joins_next) {
+    std::prev(next)->second = next->second;
+    written.erase(next);
+  } else if (joins_prev) {
+    std::prev(next)->second = end;
+  } else if (joins_next) {
+    next->first = begin;
+  } else {
+    written.insert(next, {begin, end});
+  }
+  return std::nullopt;
+}
+
+/// Empty when `written` is exactly [0, num_bytes); else "incomplete, W of N bytes written; first
+/// missing bytes [a, b)".
+std::string IncompleteMessage(const ByteRanges& written, uint64_t num_bytes) {
+  if (num_bytes == 0 || (written.size() == 1 && written[0].first == 0 && written[0].second == num_bytes)) return {};
+  uint64_t num_written = 0;
+  for (const auto& [first, second] : written) num_written += second - first;
+  uint64_t gap_begin = 0;
+  uint64_t gap_end = num_bytes;
+  if (!written.empty()) {
+    if (written[0].first > 0) {
+      gap_end = written[0].first;
+    } else {
+      gap_begin = written[0].second;
+      gap_end = written.size() > 1 ? written[1].first : num_bytes;
+    }
+  }
+  return fmt::format("incomplete, {} of {} bytes written; first missing bytes [{}, {})", num_written, num_bytes,
+                     gap_begin, gap_end);
+}
+
 /// Orders StreamingCopy's non-temporal stores before every later store (the hand-off to the
 /// engine thread goes through a mutex after it).
 void StoreFence() {
@@ -426,7 +479,16 @@ UpdateStatus WeightUpdateStaging::CheckManifest(const UpdateManifest& manifest, 
         manifest.version));
   }
   if (manifest.tensors.empty()) return UpdateStatus::Error(Prefix() + "refused: the manifest names no tensors");
+  const TensorManifestEntry* tied_head = nullptr;
   for (const TensorManifestEntry& entry : manifest.tensors) {
+    if (tied_lm_head_ && entry.name == kLmHeadName) {
+      if (tied_head != nullptr) {
+        return UpdateStatus::Error(fmt::format("{}tensor {}: listed twice in the manifest", Prefix(), entry.name),
+                                   entry.name);
+      }
+      tied_head = &entry;  // checked against the embedding's entry below
+      continue;
+    }
     const auto it = index_by_name_.find(entry.name);
     if (it == index_by_name_.end()) return UpdateStatus::Error(Prefix() + UnknownNameMessage(entry.name), entry.name);
     const ParamSpec& param = params_[it->second];
@@ -457,6 +519,35 @@ UpdateStatus WeightUpdateStaging::CheckManifest(const UpdateManifest& manifest, 
     slot.dtype = entry.dtype;
     slot.num_bytes = entry.num_bytes;
     slot.checksum = entry.checksum;
+  }
+  if (tied_head != nullptr) {
+    // The tied head is the embedding matrix: accepted only as a second copy of the embedding
+    // this update carries (what a Hugging Face state_dict() of a tied model lists), recognised by
+    // the same dtype, shape and checksum; its bytes are received and discarded (see Write).
+    const auto embed = std::find_if(manifest.tensors.begin(), manifest.tensors.end(),
+                                    [](const TensorManifestEntry& e) { return e.name == kEmbedName; });
+    const auto refuse = [&](const std::string& why) {
+      return UpdateStatus::Error(
+          fmt::format("{}tensor {}: the model ties lm_head to {} (one shared matrix); an update may list {} only "
+                      "beside {} with the same dtype, shape and checksum (a second copy of it, as a tied model's "
+                      "state_dict() has), and {}",
+                      Prefix(), kLmHeadName, kEmbedName, kLmHeadName, kEmbedName, why),
+          kLmHeadName);
+    };
+    if (embed == manifest.tensors.end()) {
+      return refuse(fmt::format("this one has no {}: send {} instead", kEmbedName, kEmbedName));
+    }
+    if (tied_head->dtype != embed->dtype || tied_head->shape != embed->shape ||
+        tied_head->num_bytes != embed->num_bytes || tied_head->checksum != embed->checksum) {
+      return refuse(fmt::format("here they differ ({}: {} {} checksum {:#018x}; {}: {} {} checksum {:#018x}), so the "
+                                "trainer's head is not its embedding: the model cannot hold both",
+                                kLmHeadName, DTypeName(tied_head->dtype), ShapeString(tied_head->shape),
+                                tied_head->checksum, kEmbedName, DTypeName(embed->dtype), ShapeString(embed->shape),
+                                embed->checksum));
+    }
+    tied_head_.in_manifest = true;
+    tied_head_.num_bytes = tied_head->num_bytes;
+    tied_head_.written.clear();
   }
   if (!manifest.partial && manifest_slots_.size() != params_.size()) {
     for (size_t i = 0; i < params_.size(); ++i) {
@@ -528,6 +619,21 @@ UpdateStatus WeightUpdateStaging::Write(const std::string& name, uint64_t offset
     case State::kVerified: return Poison(fmt::format("{}{} after Verify", Prefix(), what()), name);
     case State::kStaging: break;
   }
+  if (tied_head_.in_manifest && name == kLmHeadName) {
+    // The tied head's copy of the embedding (CheckManifest): its ranges are kept, so that it must
+    // still arrive whole and once, and its bytes dropped; the embedding's own bytes are what is
+    // verified and used.
+    if (offset > tied_head_.num_bytes || num_bytes > tied_head_.num_bytes - offset) {
+      return Poison(fmt::format("{}{}: out of range, the tensor has {} bytes [0, {})", Prefix(), what(),
+                                tied_head_.num_bytes, tied_head_.num_bytes),
+                    name);
+    }
+    if (num_bytes == 0) return UpdateStatus::Ok();
+    if (std::optional<std::string> overlap = InsertWrittenRange(tied_head_.written, offset, offset + num_bytes)) {
+      return Poison(fmt::format("{}{}: {}", Prefix(), what(), *overlap), name);
+    }
+    return UpdateStatus::Ok();
+  }
   const auto it = index_by_name_.find(name);
   if (it == index_by_name_.end()) {
     return Poison(fmt::format("{}{} (byte offset {})", Prefix(), UnknownNameMessage(name), offset), name);
@@ -543,38 +649,11 @@ UpdateStatus WeightUpdateStaging::Write(const std::string& name, uint64_t offset
   }
   if (num_bytes == 0) return UpdateStatus::Ok();
 
-  // Insert [begin, end) into the sorted, disjoint, merged list of written ranges:
-  //   ... [prev.first, prev.second)   [begin, end)   [next.first, next.second) ...
-  // It must not overlap prev or next; touching ranges are merged so a complete tensor is one range.
   const uint64_t begin = offset;
   const uint64_t end = offset + num_bytes;
   auto& written = slot.written;
-  auto next = std::upper_bound(written.begin(), written.end(), begin,
-                               [](uint64_t value, const std::pair<uint64_t, uint64_t>& range) {
-                                 return value < range.first;
-                               });
-  const bool has_prev = next != written.begin();
-  if (has_prev && std::prev(next)->second > begin) {
-    return Poison(fmt::format("{}{}: bytes [{}, {}) overlap bytes [{}, {}) already written", Prefix(), what(), begin,
-                              end, std::prev(next)->first, std::prev(next)->second),
-                  name);
-  }
-  if (next != written.end() && next->first < end) {
-    return Poison(fmt::format("{}{}: bytes [{}, {}) overlap bytes [{}, {}) already written", Prefix(), what(), begin,
-                              end, next->first, next->second),
-                  name);
-  }
-  const bool joins_prev = has_prev && std::prev(next)->second == begin;
-  const bool joins_next = next != written.end() && next->first == end;
-  if (joins_prev && joins_next) {
-    std::prev(next)->second = next->second;
-    written.erase(next);
-  } else if (joins_prev) {
-    std::prev(next)->second = end;
-  } else if (joins_next) {
-    next->first = begin;
-  } else {
-    written.insert(next, {begin, end});
+  if (std::optional<std::string> overlap = InsertWrittenRange(written, begin, end)) {
+    return Poison(fmt::format("{}{}: {}", Prefix(), what(), *overlap), name);
   }
   // Stage. When the write extends the hashed prefix, go block by block: copy the block as received
   // (the first read of its bytes, often from memory: the transport's I/O thread wrote them a
@@ -732,25 +811,16 @@ UpdateStatus WeightUpdateStaging::Verify() {
   // 1. Completeness: each manifest tensor is exactly one written range [0, num_bytes).
   for (size_t index : manifest_slots_) {
     const Slot& slot = slots_[index];
-    const auto& written = slot.written;
-    const bool complete = slot.num_bytes == 0 || (written.size() == 1 && written[0].first == 0 &&
-                                                  written[0].second == slot.num_bytes);
-    if (complete) continue;
-    uint64_t num_written = 0;
-    for (const auto& [first, second] : written) num_written += second - first;
-    uint64_t gap_begin = 0;
-    uint64_t gap_end = slot.num_bytes;
-    if (!written.empty()) {
-      if (written[0].first > 0) {
-        gap_end = written[0].first;
-      } else {
-        gap_begin = written[0].second;
-        gap_end = written.size() > 1 ? written[1].first : slot.num_bytes;
-      }
+    const std::string incomplete = IncompleteMessage(slot.written, slot.num_bytes);
+    if (!incomplete.empty()) {
+      return Poison(fmt::format("{}tensor {}: {}", Prefix(), params_[index].name, incomplete), params_[index].name);
     }
-    return Poison(fmt::format("{}tensor {}: incomplete, {} of {} bytes written; first missing bytes [{}, {})",
-                              Prefix(), params_[index].name, num_written, slot.num_bytes, gap_begin, gap_end),
-                  params_[index].name);
+  }
+  if (tied_head_.in_manifest) {
+    const std::string incomplete = IncompleteMessage(tied_head_.written, tied_head_.num_bytes);
+    if (!incomplete.empty()) {
+      return Poison(fmt::format("{}tensor {}: {}", Prefix(), kLmHeadName, incomplete), kLmHeadName);
+    }
   }
   // 2. Checksums over the raw source bytes as sent: hashed as they arrived (Write), so only bytes
   // that never joined a growing prefix are left (none when chunks come in order).
@@ -803,6 +873,7 @@ const std::vector<VerifiedTensor>& WeightUpdateStaging::verified() const {
 void WeightUpdateStaging::Abort() {
   for (size_t index : manifest_slots_) slots_[index].in_manifest = false;
   manifest_slots_.clear();
+  tied_head_ = TiedHead{};
   verified_.clear();
   poison_cause_.clear();
   poison_tensor_.clear();

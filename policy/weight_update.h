@@ -312,10 +312,16 @@ class WeightUpdateStaging {
   /// Opens a transaction for `manifest`. kIdle or kPoisoned -> kStaging on success; on failure
   /// -> kPoisoned (from kIdle/kPoisoned) with the cause recorded. In kStaging or kVerified the
   /// call is refused and poisons the open transaction ("a new begin while one is open").
-  /// Refused when: manifest.version <= current_version; a name is not a model parameter
-  /// (lm_head.weight of a tied model gets its own message); a name repeats; a shape differs from
+  /// Refused when: manifest.version <= current_version; a name is not a model parameter; a name
+  /// repeats; a shape differs from
   /// the parameter's; a dtype is outside {fp32, fp16, bf16}; num_bytes != numel * dtype size;
   /// the manifest is empty; or, unless `partial`, a parameter is missing.
+  /// A model whose head is tied to the embedding (tied_lm_head()) has no lm_head.weight; an update
+  /// may still list one, as Hugging Face's state_dict() of a tied model does (and vLLM's loaders
+  /// skip), but only beside model.embed_tokens.weight with the same dtype, shape, num_bytes and
+  /// checksum: it is then a second copy of the embedding, written like any tensor (whole, once)
+  /// and its bytes discarded, the embedding's own bytes being verified and used. A head that
+  /// differs, or comes without the embedding, is refused with a message saying why.
   /// Cost: O(manifest) plus, the first time a parameter/dtype is staged, allocating its buffer.
   UpdateStatus Begin(const UpdateManifest& manifest, PolicyVersion current_version);
 
@@ -478,6 +484,14 @@ class WeightUpdateStaging {
   std::string poison_tensor_;  // the tensor of poison_cause_, if it is about one
   std::vector<Slot> slots_;             // parallel to params_; never resized after construction
   std::vector<size_t> manifest_slots_;  // slot indices in manifest order (capacity reused)
+  // lm_head.weight listed in a tied model's update as a copy of the embedding (CheckManifest):
+  // the byte ranges written so far; its bytes are not kept.
+  struct TiedHead {
+    bool in_manifest = false;
+    uint64_t num_bytes = 0;
+    std::vector<std::pair<uint64_t, uint64_t>> written;
+  };
+  TiedHead tied_head_;
   std::vector<VerifiedTensor> verified_;
   uint64_t transaction_id_ = 0;
   StagingObserver* observer_ = nullptr;  // borrowed, see SetObserver

@@ -154,7 +154,8 @@ class Client {
                            const PushOptions& options = {}, PushTimings* timings = nullptr);
   /// The same for fp32 weights by canonical name; the ack's weights_checksum then equals
   /// policy::WeightsChecksum(weights) when the push was full (or the weights not pushed are
-  /// unchanged).
+  /// unchanged); of `weights` without lm_head.weight when it went as a copy of the embedding to
+  /// a model whose head is tied (the worker drops that copy, docs/PROTOCOL.md update_begin).
   UpdateAckMsg PushWeights(const policy::WeightMap& weights, PolicyVersion version,
                            const PushOptions& options = {}, PushTimings* timings = nullptr);
   /// Phase two of a two-phase push: applies a verified update; returns the "applied" ack.

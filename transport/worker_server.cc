@@ -905,6 +905,43 @@ struct WorkerServer::Impl {
            std::equal(a.tensors.begin(), a.tensors.end(), b.tensors.begin(), b.tensors.end(), same_entry);
   }
 
+  /// tensors[i] is lm_head.weight and the model ties its head to model.embed_tokens.weight: it is
+  /// accepted only as a copy of the embedding entry of the same manifest (same dtype and
+  /// checksum); otherwise answered `bad_field` naming the field and why.
+  bool CheckTiedHead(const std::string& peer, const UpdateBeginMsg& m, size_t i) {
+    const policy::TensorManifestEntry& head = m.manifest.tensors[i];
+    const std::string field = fmt::format("tensors[{}]", i);
+    const auto embed = std::find_if(m.manifest.tensors.begin(), m.manifest.tensors.end(),
+                                    [](const policy::TensorManifestEntry& e) {
+                                      return e.name == "model.embed_tokens.weight";
+                                    });
+    if (embed == m.manifest.tensors.end()) {
+      SendError(peer, m.id, ErrorCode::kBadField, field + ".name",
+                fmt::format("{}.name = 'lm_head.weight': the model ties its head to model.embed_tokens.weight, "
+                            "which this update does not list; send model.embed_tokens.weight (lm_head.weight may "
+                            "come beside it as a copy, as a tied model's state_dict() has it)",
+                            field));
+      return false;
+    }
+    const size_t e = static_cast<size_t>(embed - m.manifest.tensors.begin());
+    if (head.dtype != embed->dtype) {
+      SendError(peer, m.id, ErrorCode::kBadField, field + ".dtype",
+                fmt::format("{}.dtype = {} but the model ties lm_head.weight to model.embed_tokens.weight, "
+                            "tensors[{}], whose dtype is {}: the head must be a copy of it",
+                            field, policy::DTypeName(head.dtype), e, policy::DTypeName(embed->dtype)));
+      return false;
+    }
+    if (head.checksum != embed->checksum) {
+      SendError(peer, m.id, ErrorCode::kBadField, field + ".checksum",
+                fmt::format("{}.checksum = {:#018x} but the model ties lm_head.weight to model.embed_tokens.weight, "
+                            "tensors[{}], whose checksum is {:#018x}: the trainer's head differs from its "
+                            "embedding, and this model has one matrix for both",
+                            field, head.checksum, e, embed->checksum));
+      return false;
+    }
+    return true;
+  }
+
   /// The manifest checks that need the model, each answered as `bad_field` naming the field.
   bool CheckManifest(const std::string& peer, const UpdateBeginMsg& m) {
     const PolicyVersion current = engine.policy_version();
@@ -928,12 +965,16 @@ struct WorkerServer::Impl {
       const policy::TensorManifestEntry& e = m.manifest.tensors[i];
       const std::string field = fmt::format("tensors[{}]", i);
       auto spec = param_shapes.find(e.name);
+      if (spec == param_shapes.end() && e.name == "lm_head.weight" &&
+          param_shapes.count("model.embed_tokens.weight") != 0) {
+        // A tied model's head: accepted as a second copy of the embedding this update carries
+        // (a Hugging Face state_dict() lists both), and dropped; see WeightUpdateStaging::Begin.
+        if (!CheckTiedHead(peer, m, i)) return false;
+        spec = param_shapes.find("model.embed_tokens.weight");
+      }
       if (spec == param_shapes.end()) {
-        const bool tied_head = e.name == "lm_head.weight" && param_shapes.count("model.embed_tokens.weight") != 0;
         SendError(peer, m.id, ErrorCode::kBadField, field + ".name",
-                  tied_head ? fmt::format("{}.name = 'lm_head.weight': the model ties its head to "
-                                          "model.embed_tokens.weight; send that instead", field)
-                            : fmt::format("{}.name = '{}' is not a parameter of the model", field, e.name));
+                  fmt::format("{}.name = '{}' is not a parameter of the model", field, e.name));
         return false;
       }
       if (!seen.emplace(e.name, i).second) {

@@ -908,18 +908,112 @@ TEST_F(WeightUpdateStagingTest, PartialUpdateIsAllowedOnlyWhenFlagged) {
   ExpectPoisonedThenRecovers(status, 6);
 }
 
-TEST_F(WeightUpdateStagingTest, LmHeadOfATiedModelIsRefusedWithTheReason) {
-  std::vector<SourceTensor> sources = RandomSources(staging_.params(), rng_);
-  sources.push_back(RandomSource({"lm_head.weight", {11, 6}}, DType::kBF16, rng_));
-  const UpdateStatus status = staging_.Begin(ManifestFor(5, sources), 3);
-  EXPECT_THAT(status.error(), AllOf(HasSubstr("lm_head.weight"), HasSubstr("ties lm_head to model.embed_tokens.weight")));
-  ExpectPoisonedThenRecovers(status);
+/// A copy of `embed` named lm_head.weight: what a Hugging Face state_dict() of a tied model lists.
+SourceTensor TiedHeadCopy(const SourceTensor& embed) {
+  SourceTensor head = embed;
+  head.name = "lm_head.weight";
+  return head;
+}
 
-  // Also when only the head is sent, as a partial update.
+TEST_F(WeightUpdateStagingTest, TiedHeadListedAsACopyOfTheEmbeddingIsAcceptedAndDropped) {
+  // Every dtype, chunks of every tensor (the head's too) shuffled together.
+  for (const DType dtype : {DType::kF32, DType::kF16, DType::kBF16}) {
+    std::vector<SourceTensor> sources = RandomSources(staging_.params(), rng_);
+    sources[0] = RandomSource(staging_.params()[0], dtype, rng_);
+    ASSERT_EQ(sources[0].name, kEmbed);
+    std::vector<SourceTensor> sent = sources;
+    sent.push_back(TiedHeadCopy(sources[0]));
+    const PolicyVersion version = 4 + static_cast<PolicyVersion>(dtype);
+    const UpdateStatus begun = staging_.Begin(ManifestFor(version, sent), version - 1);
+    ASSERT_TRUE(begun.ok()) << begun.error();
+    ASSERT_NO_FATAL_FAILURE(WriteAll(staging_, RandomChunks(sent, rng_, 13)));
+    const UpdateStatus verified = staging_.Verify();
+    ASSERT_TRUE(verified.ok()) << verified.error();
+    // The model's parameters only, the embedding with the values sent; no lm_head.
+    ASSERT_NO_FATAL_FAILURE(ExpectVerifiedEquals(staging_, sources));
+    staging_.Finish();
+  }
+  // The same in a partial update of the embedding alone.
+  const SourceTensor embed = RandomSource(staging_.params()[0], DType::kF32, rng_);
+  const std::vector<SourceTensor> sent = {TiedHeadCopy(embed), embed};  // head listed first
+  ASSERT_TRUE(staging_.Begin(ManifestFor(9, sent, /*partial=*/true), 8).ok());
+  ASSERT_NO_FATAL_FAILURE(WriteAll(staging_, RandomChunks(sent, rng_, 40)));
+  const UpdateStatus verified = staging_.Verify();
+  ASSERT_TRUE(verified.ok()) << verified.error();
+  ASSERT_NO_FATAL_FAILURE(ExpectVerifiedEquals(staging_, {embed}));
+  staging_.Finish();
+}
+
+TEST_F(WeightUpdateStagingTest, TiedHeadThatIsNotACopyOfTheEmbeddingIsRefusedWithTheReason) {
+  const std::vector<SourceTensor> sources = RandomSources(staging_.params(), rng_);
+  ASSERT_EQ(sources[0].name, kEmbed);
+  // Other values: the trainer's head is not its embedding.
+  std::vector<SourceTensor> sent = sources;
+  SourceTensor other = RandomSource(staging_.params()[0], sources[0].dtype, rng_);
+  other.name = "lm_head.weight";
+  sent.push_back(other);
+  const UpdateStatus differs = staging_.Begin(ManifestFor(5, sent), 3);
+  EXPECT_THAT(differs.error(), AllOf(HasSubstr("lm_head.weight"), HasSubstr("ties lm_head to model.embed_tokens.weight"),
+                                     HasSubstr("they differ")));
+  EXPECT_EQ(differs.tensor(), "lm_head.weight");
+  ExpectPoisonedThenRecovers(differs);
+
+  // The same values in another dtype are another byte stream: refused too.
+  sent.back() = TiedHeadCopy(sources[0]);
+  sent.back().dtype = sources[0].dtype == DType::kF16 ? DType::kBF16 : DType::kF16;
+  sent.back().bytes.resize(sent.back().bytes.size() / DTypeSize(sources[0].dtype) * 2);
+  const UpdateStatus dtype = staging_.Begin(ManifestFor(6, sent), 4);
+  EXPECT_THAT(dtype.error(), HasSubstr("they differ"));
+  ExpectPoisonedThenRecovers(dtype, 4);
+
+  // The head alone, as a partial update: nothing to be a copy of.
   const UpdateStatus head_only =
-      staging_.Begin(ManifestFor(9, {RandomSource({"lm_head.weight", {11, 6}}, DType::kF32, rng_)}, true), 4);
-  EXPECT_THAT(head_only.error(), HasSubstr("ties lm_head"));
-  ExpectPoisonedThenRecovers(head_only);
+      staging_.Begin(ManifestFor(9, {TiedHeadCopy(sources[0])}, /*partial=*/true), 5);
+  EXPECT_THAT(head_only.error(), AllOf(HasSubstr("ties lm_head"), HasSubstr("has no model.embed_tokens.weight")));
+  ExpectPoisonedThenRecovers(head_only, 5);
+
+  // Listed twice.
+  sent.back() = TiedHeadCopy(sources[0]);
+  sent.push_back(TiedHeadCopy(sources[0]));
+  const UpdateStatus twice = staging_.Begin(ManifestFor(9, sent), 6);
+  EXPECT_THAT(twice.error(), AllOf(HasSubstr("lm_head.weight"), HasSubstr("listed twice")));
+  ExpectPoisonedThenRecovers(twice, 6);
+}
+
+TEST_F(WeightUpdateStagingTest, TiedHeadCopyMustArriveWholeAndOnce) {
+  const std::vector<SourceTensor> sources = RandomSources(staging_.params(), rng_);
+  std::vector<SourceTensor> sent = sources;
+  sent.push_back(TiedHeadCopy(sources[0]));
+  const SourceTensor& head = sent.back();
+  const size_t n = head.bytes.size();
+
+  // Missing its last byte: Verify names the head and the gap.
+  ASSERT_TRUE(staging_.Begin(ManifestFor(4, sent), 3).ok());
+  ASSERT_NO_FATAL_FAILURE(WriteAll(staging_, RandomChunks(sources, rng_, 40)));
+  ASSERT_TRUE(staging_.Write(head.name, 0, head.bytes.data(), n - 1).ok());
+  const UpdateStatus incomplete = staging_.Verify();
+  EXPECT_THAT(incomplete.error(), AllOf(HasSubstr("tensor lm_head.weight: incomplete"),
+                                        HasSubstr(std::to_string(n - 1) + " of " + std::to_string(n)),
+                                        HasSubstr("first missing bytes [" + std::to_string(n - 1))));
+  EXPECT_EQ(incomplete.tensor(), "lm_head.weight");
+  ExpectPoisonedThenRecovers(incomplete);
+
+  // Overlapping bytes and bytes past its end poison the update.
+  ASSERT_TRUE(staging_.Begin(ManifestFor(5, sent), 4).ok());
+  ASSERT_TRUE(staging_.Write(head.name, 0, head.bytes.data(), 8).ok());
+  const UpdateStatus overlap = staging_.Write(head.name, 4, head.bytes.data() + 4, 8);
+  EXPECT_THAT(overlap.error(), AllOf(HasSubstr("lm_head.weight"), HasSubstr("overlap bytes [0, 8)")));
+  ExpectPoisonedThenRecovers(overlap, 4);
+  ASSERT_TRUE(staging_.Begin(ManifestFor(6, sent), 5).ok());
+  const UpdateStatus past_end = staging_.Write(head.name, n - 2, head.bytes.data(), 4);
+  EXPECT_THAT(past_end.error(), AllOf(HasSubstr("lm_head.weight"), HasSubstr("out of range")));
+  ExpectPoisonedThenRecovers(past_end, 5);
+
+  // An update that does not list the head cannot write it.
+  ASSERT_TRUE(staging_.Begin(ManifestFor(7, sources), 6).ok());
+  const UpdateStatus unlisted = staging_.Write(head.name, 0, head.bytes.data(), 4);
+  EXPECT_THAT(unlisted.error(), AllOf(HasSubstr("lm_head.weight"), HasSubstr("ties lm_head")));
+  ExpectPoisonedThenRecovers(unlisted, 6);
 }
 
 TEST(WeightUpdateUntiedTest, UntiedModelAcceptsLmHead) {

@@ -378,8 +378,20 @@ std::vector<SocketCase> SocketCases(int64_t max_message_bytes) {
   one("unknown tensor name", BeginHeader("u", 1, {TensorEntry("model.norm.weight", {64}, 256),
                                                   TensorEntry("model.layers.9.mlp.up_proj.weight", {172, 64}, 44032)}),
       ErrorCode::kBadField, "tensors[1].name");
-  one("lm_head of a tied model", BeginHeader("u", 1, {TensorEntry("lm_head.weight", {259, 64}, 66304)}),
+  one("lm_head of a tied model without its embedding", BeginHeader("u", 1, {TensorEntry("lm_head.weight", {259, 64}, 66304)}),
       ErrorCode::kBadField, "tensors[0].name");
+  one("lm_head of a tied model, not a copy of the embedding",
+      BeginHeader("u", 1, {TensorEntry("model.embed_tokens.weight", {259, 64}, 66304, "float32", 7),
+                           TensorEntry("lm_head.weight", {259, 64}, 66304, "float32", 8)}),
+      ErrorCode::kBadField, "tensors[1].checksum");
+  one("lm_head of a tied model in another dtype than the embedding",
+      BeginHeader("u", 1, {TensorEntry("lm_head.weight", {259, 64}, 33152, "bfloat16", 7),
+                           TensorEntry("model.embed_tokens.weight", {259, 64}, 66304, "float32", 7)}),
+      ErrorCode::kBadField, "tensors[0].dtype");
+  one("lm_head of a tied model in another shape than the embedding",
+      BeginHeader("u", 1, {TensorEntry("model.embed_tokens.weight", {259, 64}, 66304, "float32", 7),
+                           TensorEntry("lm_head.weight", {64, 259}, 66304, "float32", 7)}),
+      ErrorCode::kBadField, "tensors[1].shape");
   one("wrong shape", BeginHeader("u", 1, {TensorEntry("model.norm.weight", {64}, 256),
                                           TensorEntry("model.embed_tokens.weight", {64, 259}, 66304)}),
       ErrorCode::kBadField, "tensors[1].shape");
@@ -1006,6 +1018,39 @@ TEST(WorkerServerTest, AWeightPushIsAcknowledgedWithItsChecksumAndNextSamplesCar
   ExpectSameSamples(client->Generate(requests), InProcess(requests, NewPolicy()), 3);
   EXPECT_EQ(client->Health().policy_version, 3u);
   EXPECT_EQ(client->Stats().policy_version, 3u);
+}
+
+TEST(WorkerServerTest, ATiedModelTakesAPushListingItsHeadAsACopyOfTheEmbedding) {
+  // What a Hugging Face state_dict() of a tied model holds: lm_head.weight beside (and equal to)
+  // model.embed_tokens.weight. The worker's model ties them: the copy is received and dropped.
+  WorkerHarness worker;
+  auto trainer = Connect(worker.endpoint());
+  auto client = Connect(worker.endpoint());
+  policy::WeightMap with_head = NewPolicy().weights;
+  ASSERT_EQ(with_head.count("lm_head.weight"), 0u);
+  with_head["lm_head.weight"] = with_head.at("model.embed_tokens.weight");
+  PushOptions options;
+  options.chunk_bytes = 1000;
+  const UpdateAckMsg ack = trainer->PushWeights(with_head, 2, options);
+  EXPECT_EQ(ack.stage, UpdateStage::kApplied);
+  EXPECT_EQ(ack.version, 2u);
+  EXPECT_EQ(ack.weights_checksum, policy::WeightsChecksum(NewPolicy().weights));  // the model's parameters
+  const std::vector<Request> requests = SeededRequests("tied", 3, 5);
+  ExpectSameSamples(client->Generate(requests), InProcess(requests, NewPolicy()), 2);
+
+  // A head that is not the embedding is refused before anything is staged, naming the field.
+  with_head["lm_head.weight"].data[5] += 0.5f;
+  try {
+    (void)trainer->PushWeights(with_head, 3, options);
+    ADD_FAILURE() << "a head that differs from the embedding was accepted";
+  } catch (const WorkerError& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kBadField);
+    const std::string what = e.what();
+    for (const char* part : {".checksum", "ties lm_head.weight to model.embed_tokens.weight", "differs from its embedding"}) {
+      EXPECT_NE(what.find(part), std::string::npos) << part << " not in: " << what;
+    }
+  }
+  EXPECT_EQ(client->Health().policy_version, 2u);
 }
 
 /// bfloat16 bytes of `weights` (the upper half of each float) and the fp32 values they stand for.

@@ -288,6 +288,32 @@ class TwoWorkersTest(unittest.TestCase):
         self.client.push_weights(make_weights(seed=8), version=max(before) + 1)
         self.assertEqual(self.versions(), [max(before) + 1] * 2)
 
+    def test_a_tied_models_state_dict_with_lm_head_pushes_and_a_differing_head_is_refused(self):
+        # A Hugging Face model with tied embeddings lists lm_head.weight in its state_dict()
+        # as the very tensor of model.embed_tokens.weight; the default model is tied too.
+        before = self.versions()
+        weights = make_weights(seed=21)
+        state_dict = {**weights, "lm_head.weight": weights["model.embed_tokens.weight"]}
+        version = max(before) + 1
+        acks = self.client.push_weights(state_dict, version=version, chunk_bytes=5000)
+        for ack in acks:  # the worker holds one matrix: the checksum of the weights without the copy
+            self.assertEqual((ack.stage, ack.version, ack.weights_checksum),
+                             ("applied", version, weights_checksum(weights)))
+        self.assertEqual(self.versions(), [version, version])
+        # A head that is not the embedding (an untied trainer model) cannot be held: refused on
+        # both, naming the field, and nothing changes.
+        other = make_weights(seed=22)
+        other["lm_head.weight"] = other["model.embed_tokens.weight"] * 2
+        with self.assertRaises(WeightUpdateError) as cm:
+            self.client.push_weights(other, version=version + 1)
+        self.assertEqual(cm.exception.phase, "begin")
+        self.assertEqual(set(cm.exception.failures), set(self.endpoints))
+        for failure in cm.exception.failures.values():
+            self.assertIsInstance(failure, WorkerError)
+            self.assertEqual((failure.code, failure.field), ("bad_field", "tensors[0].checksum"))
+            self.assertIn("differs from its embedding", str(failure))
+        self.assertEqual(self.versions(), [version, version])
+
     def test_bad_checksum_in_one_workers_stream_is_aborted_everywhere(self):
         before = self.versions()
         weights = make_weights(seed=9)

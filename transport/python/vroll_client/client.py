@@ -74,6 +74,25 @@ def _key_bytes(key: KeyLike, what: str) -> bytes:
     return raw
 
 
+
+_TIED_HEAD = "lm_head.weight"
+_EMBEDDING = "model.embed_tokens.weight"
+
+
+def _expected_weights_checksums(tensors: List[WireTensor], named_tensors: Mapping[str, Any]):
+    """The weights_checksum an applied full update may report: that of named_tensors, and,
+    when lm_head.weight goes as a copy of model.embed_tokens.weight (same dtype, shape and
+    checksum on the wire), also that of the rest: a worker whose model ties the two holds one
+    matrix and drops the copy (docs/PROTOCOL.md, update_begin)."""
+    expected = {wire_weights_checksum(tensors, named_tensors)}
+    by_name = {t.name: t for t in tensors}
+    head, embedding = by_name.get(_TIED_HEAD), by_name.get(_EMBEDDING)
+    if head is not None and embedding is not None and (head.dtype, head.shape, head.checksum) == (
+            embedding.dtype, embedding.shape, embedding.checksum):
+        untied = [t for t in tensors if t.name != _TIED_HEAD]
+        expected.add(wire_weights_checksum(untied, named_tensors))
+    return expected
+
 class _Worker:
     """One endpoint: its DEALER socket and the client's bookkeeping for it. Owned by one client."""
 
@@ -985,7 +1004,10 @@ class VrollClient:
             update_timeout_ms, 30 s by default).
         Returns:
           list[UpdateAck] with stage ``applied``, version == ``version`` and (full updates)
-          weights_checksum == weights_checksum(named_tensors).
+          weights_checksum == weights_checksum(named_tensors); for a worker whose model ties
+          its head to its embedding, when named_tensors lists ``lm_head.weight`` as a copy of
+          ``model.embed_tokens.weight`` (a tied Hugging Face model's state_dict() does; the
+          worker drops that copy), the checksum of named_tensors without it.
         Raises:
           TypeError / ValueError: a bad argument or tensor dtype (nothing sent).
           WeightUpdateError: ``phase`` says where (begin, stage, verify: aborted everywhere;
@@ -1007,7 +1029,7 @@ class VrollClient:
             raise ValueError(f"chunk_bytes = {chunk_bytes} must be >= 1")
         workers = self._select(endpoints)
         tensors = [to_wire(name, named_tensors[name]) for name in sorted(named_tensors)]
-        expected_checksum = None if partial else wire_weights_checksum(tensors, named_tensors)
+        expected_checksums = set() if partial else _expected_weights_checksums(tensors, named_tensors)
         update_id = self._next_id("u")
         manifest = [protocol.make_manifest_entry(t.name, t.dtype, t.shape, t.num_bytes,
                                                  t.checksum) for t in tensors]
@@ -1138,12 +1160,12 @@ class VrollClient:
             if ack.version != version:
                 failures[ack.worker] = VrollError(
                     f"{ack.worker}: applied update reports version {ack.version}, not {version}")
-            elif expected_checksum is not None and ack.weights_checksum != expected_checksum:
+            elif expected_checksums and ack.weights_checksum not in expected_checksums:
                 reported = ("none" if ack.weights_checksum is None
                             else f"{ack.weights_checksum:#018x}")
+                local = " or ".join(f"{c:#018x}" for c in sorted(expected_checksums))
                 failures[ack.worker] = VrollError(
-                    f"{ack.worker}: weights_checksum {reported} != local "
-                    f"{expected_checksum:#018x}")
+                    f"{ack.worker}: weights_checksum {reported} != local {local}")
         if failures:
             raise WeightUpdateError(version, update_id, "checksum", failures, acks)
         return acks
