@@ -100,7 +100,7 @@ std::string ReadCurveSecretKeyFile(const std::string& path) {
   const std::string secret = ReadCurveKeyFile(path);
   struct stat st;
   if (::stat(path.c_str(), &st) == 0 && (st.st_mode & 077) != 0) {
-    vroll::Logger("transport").warn("{}: this secret key file is readable by others (mode {:04o}): chmod 600 it",
+    vroll::Logger("transport").warn("{}: this secret key file is open to group or others (mode {:04o}): chmod 600 it",
                              path, st.st_mode & 07777);
   }
   if (EndsWith(path, ".key")) {

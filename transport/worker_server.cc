@@ -186,7 +186,9 @@ void WorkerConfig::Validate() const {
   if (update_timeout_ms <= 0) fail(fmt::format("update_timeout_ms = {} must be > 0", update_timeout_ms));
   if (shutdown_grace_ms < 0) fail(fmt::format("shutdown_grace_ms = {} must be >= 0", shutdown_grace_ms));
   if (linger_ms < 0) fail(fmt::format("linger_ms = {} must be >= 0", linger_ms));
-  if (send_high_water_mark < 0) fail(fmt::format("send_high_water_mark = {} must be >= 0", send_high_water_mark));
+  if (send_high_water_mark < 1) {  // ZeroMQ reads 0 as "no limit", which this bound exists to rule out
+    fail(fmt::format("send_high_water_mark = {} must be >= 1", send_high_water_mark));
+  }
   if (max_pending_per_client < 0) {
     fail(fmt::format("max_pending_per_client = {} must be >= 0 (0 = no limit)", max_pending_per_client));
   }
@@ -498,8 +500,7 @@ struct WorkerServer::Impl {
       // The routing frame decides: a full queue (send_high_water_mark) answers EAGAIN (an empty
       // result) and nothing is sent; a peer that is gone throws EHOSTUNREACH.
       if (!router.send(zmq::buffer(peer), zmq::send_flags::sndmore | zmq::send_flags::dontwait)) {
-        log.debug("reply {} to peer {} dropped: its queue is full (send_high_water_mark = {})", TypeName(message),
-                  Hex(peer), config.send_high_water_mark);
+        WarnDroppedReply(peer, message);
         return true;
       }
       router.send(zmq::buffer(bytes), zmq::send_flags::dontwait);
@@ -511,6 +512,19 @@ struct WorkerServer::Impl {
       log.warn("reply {} to peer {} not sent: {}", TypeName(message), Hex(peer), e.what());
     }
     return true;
+  }
+
+  /// A reply dropped at a full queue is lost to its client (a sample it will wait for until its
+  /// timeout), so it is a warning, but at most one a second, counting those dropped meanwhile:
+  /// a client that stopped reading must not flood the log either.
+  void WarnDroppedReply(const std::string& peer, const WorkerMessage& message) {
+    ++replies_dropped;
+    const Clock::time_point now = Clock::now();
+    if (now < next_drop_warning) return;
+    next_drop_warning = now + std::chrono::seconds(1);
+    log.warn("reply {} to peer {} dropped: its queue is full (send_high_water_mark = {}, --max-queued-replies); "
+             "{} replies dropped so far, to clients that do not read them fast enough",
+             TypeName(message), Hex(peer), config.send_high_water_mark, replies_dropped);
   }
 
   HealthMsg MakeHealth(const std::string& id) const {
@@ -727,8 +741,11 @@ struct WorkerServer::Impl {
         return;
       }
     }
-    Send(peer, AcceptedMsg{live_request.id, live_request.request_id, engine.policy_version()});
+    // Recorded before `accepted` goes out: when that send finds the peer gone, OnPeerGone then
+    // aborts this request too instead of computing it for nobody.
+    AcceptedMsg accepted{live_request.id, live_request.request_id, engine.policy_version()};
     AddLive(ticket, std::move(live_request));
+    Send(peer, accepted);
   }
 
   void On(const std::string& peer, AbortMsg& m) {
@@ -1243,6 +1260,8 @@ struct WorkerServer::Impl {
   std::unordered_map<uint64_t, LiveRequest> live;  // by ticket
   std::unordered_map<std::string, int> live_per_peer;  // peer -> its entries in `live` (> 0)
   std::unordered_set<std::string> gone_peers;          // peers whose requests OnPeerGone aborted
+  uint64_t replies_dropped = 0;                        // WarnDroppedReply: since the start
+  Clock::time_point next_drop_warning{};               // WarnDroppedReply: at most one warning a second
   Clock::time_point next_peer_probe{};                 // ProbePeers: the next round (heartbeat_ms apart)
   uint64_t next_ticket = 1;
   std::shared_ptr<policy::WeightUpdateStaging> staging;  // the engine reads it while kApplying

@@ -54,12 +54,19 @@ struct WorkerConfig {
   /// How long replies still queued when the socket closes may take to go out, milliseconds.
   int linger_ms = 2000;
   /// Messages queued per client before ZeroMQ drops further replies to it (a client that stops
-  /// reading must not stall the worker). Per connection: their memory adds up over clients.
+  /// reading must not stall the worker); >= 1 (ZeroMQ would read 0 as no limit). Per connection:
+  /// their memory adds up over clients. A client that reads can still have a burst queued: about
+  /// one reply per sample it has unfinished plus one per request (`accepted`), all finishing in
+  /// one step at worst; keep the bound above that (the Python client keeps at most max_in_flight
+  /// = 256 samples per worker) or replies to reading clients are dropped too (each drop warns,
+  /// at most once a second).
   int send_high_water_mark = 100000;
   /// Unfinished generate requests one client (connection) may hold; beyond it, `overloaded`
   /// naming this limit. 0 = no limit of its own (the engine's max_pending_requests bounds all
   /// clients together, so one client can then take every slot, e.g. with requests waiting on a
-  /// version that never comes). For workers shared by several clients.
+  /// version that never comes). For workers shared by several clients; set it at or above the
+  /// requests one client submits at a time (the Python client: at most max_in_flight = 256), or
+  /// a batch waiting on a min_policy_version is partly refused until the client's timeout.
   int max_pending_per_client = 0;
   /// ZeroMQ heartbeats (ZMQ_HEARTBEAT_IVL, milliseconds; 0 = off): the worker PINGs each
   /// connection this often and closes one that answers nothing for 3 x heartbeat_ms, so that a

@@ -68,7 +68,7 @@ for _ in $(seq 600); do
 done
 grep -q "is on both the trainer and the client allow-list" "$dir/both.err" ||
   fail "no warning for a key on both allow-lists"
-grep -qF "$dir/a.key: this secret key file is readable by others (mode 0640): chmod 600 it" "$dir/both.err" ||
+grep -qF "$dir/a.key: this secret key file is open to group or others (mode 0640): chmod 600 it" "$dir/both.err" ||
   fail "no warning for a secret key file others may read"
 # The queue options reach the worker's config (its one config line).
 grep -q "send_high_water_mark 1234, max_pending_per_client 7," "$dir/both.err" ||

@@ -1728,6 +1728,11 @@ TEST(WorkerServerTest, ConfigValidateNamesTheField) {
   c.heartbeat_ms = -1;
   EXPECT_NE(message(c).find("heartbeat_ms = -1"), std::string::npos);
   c = WorkerConfig{};
+  c.send_high_water_mark = 0;  // ZeroMQ would take 0 as "no limit"
+  EXPECT_NE(message(c).find("send_high_water_mark = 0 must be >= 1"), std::string::npos) << message(c);
+  c.send_high_water_mark = 1;
+  EXPECT_EQ(message(c), "(valid)");
+  c = WorkerConfig{};
   c.curve.secret_key = "short";
   EXPECT_NE(message(c).find("curve.secret_key"), std::string::npos);
   c.curve.secret_key = GenerateCurveKeyPair().secret_key;

@@ -545,6 +545,55 @@ class SlowPeerTest(unittest.TestCase):
 
 
 @unittest.skipUnless(WORKER, SKIP_REASON)
+class ReplyQueueTest(unittest.TestCase):
+    """A client that does not read, against --max-queued-replies 16: replies beyond its queue are
+    dropped with a warning naming the flag, at most one a second with the count so far; the
+    worker goes on serving a client that reads (whose bursts stay under the bound: with 1, even
+    its `accepted` and two samples finishing in one step overflow it, see docs/PROTOCOL.md)."""
+
+    def test_dropped_replies_are_warned_about_at_most_once_a_second(self):
+        import msgpack
+        import zmq
+        with tempfile.TemporaryDirectory(prefix="vroll-e2e-") as tmp:
+            endpoint = f"ipc://{tmp}/w.sock"
+            worker = WorkerProcess(endpoint, tmp, "w", ["--max-queued-replies", "16"])
+            ctx = zmq.Context()
+            try:
+                silent = ctx.socket(zmq.DEALER)
+                silent.setsockopt(zmq.LINGER, 0)
+                silent.setsockopt(zmq.RCVHWM, 1)
+                silent.setsockopt(zmq.RCVBUF, 4096)
+                silent.connect(endpoint)
+                for i in range(100):
+                    silent.send(msgpack.packb({
+                        "v": 1, "type": "generate", "id": f"g{i}", "request_id": f"r{i}",
+                        "prompt": [1, 65], "n": 8,
+                        "sampling": {"max_new_tokens": 200, "seed": i}}))
+                def warnings():
+                    return [l for l in worker.log().splitlines() if "dropped: its queue is full" in l]
+
+                start = time.monotonic()  # the samples take a few seconds: drops go on meanwhile
+                while len(warnings()) < 2 and time.monotonic() - start < 60:
+                    time.sleep(0.1)
+                elapsed = time.monotonic() - start
+                warnings = warnings()
+                self.assertGreaterEqual(len(warnings), 2, worker.log())
+                self.assertIn("--max-queued-replies", warnings[0])
+                # Hundreds of replies are dropped (800 samples, 100 accepted), yet the warnings
+                # come at most once a second, each with the running count.
+                self.assertLessEqual(len(warnings), int(elapsed) + 1, warnings)
+                counts = [int(l.split("; ")[1].split()[0]) for l in warnings]
+                self.assertEqual(counts, sorted(counts))
+                self.assertGreater(counts[-1], 10 * len(warnings), warnings)
+                with VrollClient([endpoint], timeout_s=60) as client:
+                    outs = client.generate([[1, 2, 3]], SamplingParams(max_tokens=5), n=2)
+                    self.assertEqual([len(c.token_ids) for c in outs[0].outputs], [5, 5])
+            finally:
+                ctx.destroy(linger=0)
+                worker.stop()
+
+
+@unittest.skipUnless(WORKER, SKIP_REASON)
 class CurveTest(unittest.TestCase):
     def test_trainer_key_may_push_and_client_key_may_only_generate(self):
         def keypair_with_hash():
