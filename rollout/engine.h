@@ -169,6 +169,11 @@ class Engine {
   /// (it runs inside a step: that would deadlock); an exception it throws is logged and ignored.
   /// Refusals are returned, not thrown.
   SubmitStatus Submit(Request request, ResultCallback on_result);
+  /// The checks Submit makes of the request itself (ids, prompt, n, sampling params), without
+  /// queuing it: kInvalid with the message Submit would give, else ok. Thread-safe (reads only
+  /// immutable state). For a front end that refuses for reasons of its own (e.g. a per-client
+  /// limit) but should name a bad field first.
+  SubmitStatus Validate(const Request& request) const;
   /// Ends the request's unfinished samples with finish reason "aborted". Unknown or finished ids:
   /// no-op (an abort of a finished request does not end a later one that reuses its id).
   void Abort(const std::string& request_id);
@@ -277,7 +282,6 @@ class Engine {
   /// still owning the engine (e.g. to fail the caller's requests), then it propagates.
   template <class OnError>
   std::optional<bool> StepOnCaller(OnError&& on_error);
-  SubmitStatus Validate(const Request& request) const;
 
   // Immutable after construction.
   const EngineConfig config_;

@@ -707,6 +707,13 @@ struct WorkerServer::Impl {
       }
     }
     if (config.max_pending_per_client > 0) {
+      // A request the engine would refuse is answered with its bad field, not `overloaded`
+      // (which clients retry until they give up, hiding the real error).
+      const rollout::SubmitStatus valid = engine.Validate(m.request);
+      if (valid.code == rollout::SubmitStatus::Code::kInvalid) {
+        SendError(peer, m.id, ErrorCode::kBadField, FieldOfEngineError(valid.error), valid.error);
+        return;
+      }
       const auto count = live_per_peer.find(peer);
       if (count != live_per_peer.end() && count->second >= config.max_pending_per_client) {
         SendError(peer, m.id, ErrorCode::kOverloaded, "",

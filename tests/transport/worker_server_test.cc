@@ -1524,6 +1524,12 @@ TEST(WorkerServerTest, MaxPendingPerClientKeepsOneClientFromTakingEverySlot) {
   EXPECT_EQ(refused.id, "g3");
   EXPECT_EQ(refused.code, ErrorCode::kOverloaded);
   EXPECT_EQ(refused.message, "this client has 3 requests pending (max_pending_per_client = 3)");
+  // A bad request at the limit is answered with its bad field, not overloaded (which clients
+  // retry until they give up).
+  hog->Send(GenerateMsg{"g-bad", MakeRequest("bad", {1, 2}, 3, 0, 100000)});
+  const ErrorMsg bad = NextAs<ErrorMsg>(*hog);
+  EXPECT_EQ(bad.code, ErrorCode::kBadField) << bad.message;
+  EXPECT_EQ(bad.field, "n");
   // Another client is served meanwhile.
   auto other = Connect(worker.endpoint());
   EXPECT_EQ(other->Generate({MakeRequest("o1", {1, 2}, 3), MakeRequest("o2", {1, 3}, 3)}).size(), 2u);
