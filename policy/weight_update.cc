@@ -456,9 +456,9 @@ UpdateStatus WeightUpdateStaging::Poison(std::string cause, std::string tensor) 
 std::string WeightUpdateStaging::UnknownNameMessage(const std::string& name) const {
   if (tied_lm_head_ && name == kLmHeadName) {
     return fmt::format(
-        "tensor {}: the model ties lm_head to {} (one shared matrix, no separate lm_head parameter); "
-        "send {} only, so the tied head can neither keep old weights nor diverge from the embedding",
-        name, kEmbedName, kEmbedName);
+        "tensor {}: not in this update's manifest; the model ties lm_head to {} (one shared matrix, no "
+        "separate lm_head parameter): list {} in the manifest beside {} as a copy of it, or send {} only",
+        name, kEmbedName, name, kEmbedName, kEmbedName);
   }
   return fmt::format("unknown tensor {}: not a parameter of the model", name);
 }

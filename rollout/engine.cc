@@ -255,18 +255,24 @@ SubmitStatus Engine::Validate(const Request& r) const {
   return {};
 }
 
+bool Engine::InFlight(const std::string& request_id) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return pending_ids_.count(request_id) != 0;
+}
+
 SubmitStatus Engine::Submit(Request request, ResultCallback on_result) {
   SubmitStatus status = Validate(request);
   if (!status.ok()) return status;
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (stop_ && threaded_) return {SubmitStatus::Code::kStopped, "engine is stopping"};
+    // A duplicate id is the request's own error: named before overloaded, which clients retry.
+    if (pending_ids_.count(request.request_id) != 0) {
+      return {SubmitStatus::Code::kInvalid, fmt::format("request_id '{}' is already in flight", request.request_id)};
+    }
     if (num_pending_ >= config_.max_pending_requests) {
       return {SubmitStatus::Code::kOverloaded,
               fmt::format("overloaded: {} requests pending (max_pending_requests)", num_pending_)};
-    }
-    if (pending_ids_.count(request.request_id) != 0) {
-      return {SubmitStatus::Code::kInvalid, fmt::format("request_id '{}' is already in flight", request.request_id)};
     }
     const uint64_t submission = ++num_submissions_;
     pending_ids_[request.request_id] = submission;

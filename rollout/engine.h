@@ -174,6 +174,9 @@ class Engine {
   /// immutable state). For a front end that refuses for reasons of its own (e.g. a per-client
   /// limit) but should name a bad field first.
   SubmitStatus Validate(const Request& request) const;
+  /// Whether a request with this id is accepted and unfinished (Submit would refuse another as
+  /// "already in flight"). Thread-safe.
+  bool InFlight(const std::string& request_id) const;
   /// Ends the request's unfinished samples with finish reason "aborted". Unknown or finished ids:
   /// no-op (an abort of a finished request does not end a later one that reuses its id).
   void Abort(const std::string& request_id);

@@ -434,6 +434,7 @@ struct WorkerServer::Impl {
       }
       CheckUpdateTimeout();
       ProbePeers();
+      WarnHeldBackDrops();
       if (shutting_down) {
         const bool applying = update && update->phase == OpenUpdate::Phase::kApplying;
         if (live.empty() && !applying) break;
@@ -456,6 +457,9 @@ struct WorkerServer::Impl {
     if (shutting_down && (!deadline || grace_deadline < *deadline)) deadline = grace_deadline;
     if (config.heartbeat_ms > 0 && !live_per_peer.empty() && (!deadline || next_peer_probe < *deadline)) {
       deadline = next_peer_probe;
+    }
+    if (replies_dropped != replies_dropped_warned && (!deadline || next_drop_warning < *deadline)) {
+      deadline = next_drop_warning;  // WarnHeldBackDrops
     }
     if (!deadline) return -1;
     const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(*deadline - Clock::now()).count();
@@ -516,15 +520,25 @@ struct WorkerServer::Impl {
 
   /// A reply dropped at a full queue is lost to its client (a sample it will wait for until its
   /// timeout), so it is a warning, but at most one a second, counting those dropped meanwhile:
-  /// a client that stopped reading must not flood the log either.
+  /// a client that stopped reading must not flood the log either. Drops held back by that
+  /// second are reported once it is over (WarnHeldBackDrops), so the last count is never stale.
   void WarnDroppedReply(const std::string& peer, const WorkerMessage& message) {
     ++replies_dropped;
     const Clock::time_point now = Clock::now();
     if (now < next_drop_warning) return;
     next_drop_warning = now + std::chrono::seconds(1);
+    replies_dropped_warned = replies_dropped;
     log.warn("reply {} to peer {} dropped: its queue is full (send_high_water_mark = {}, --max-queued-replies); "
              "{} replies dropped so far, to clients that do not read them fast enough",
              TypeName(message), Hex(peer), config.send_high_water_mark, replies_dropped);
+  }
+  void WarnHeldBackDrops() {
+    if (replies_dropped == replies_dropped_warned || Clock::now() < next_drop_warning) return;
+    log.warn("{} more replies dropped at full queues (send_high_water_mark = {}, --max-queued-replies); {} replies "
+             "dropped so far, to clients that do not read them fast enough",
+             replies_dropped - replies_dropped_warned, config.send_high_water_mark, replies_dropped);
+    replies_dropped_warned = replies_dropped;
+    next_drop_warning = Clock::now() + std::chrono::seconds(1);
   }
 
   HealthMsg MakeHealth(const std::string& id) const {
@@ -712,6 +726,11 @@ struct WorkerServer::Impl {
       const rollout::SubmitStatus valid = engine.Validate(m.request);
       if (valid.code == rollout::SubmitStatus::Code::kInvalid) {
         SendError(peer, m.id, ErrorCode::kBadField, FieldOfEngineError(valid.error), valid.error);
+        return;
+      }
+      if (engine.InFlight(EngineRequestId(peer, r.request_id))) {
+        SendError(peer, m.id, ErrorCode::kBadField, "request_id",
+                  fmt::format("request_id '{}' is already in flight", r.request_id));
         return;
       }
       const auto count = live_per_peer.find(peer);
@@ -953,6 +972,13 @@ struct WorkerServer::Impl {
                 fmt::format("{}.dtype = {} but the model ties lm_head.weight to model.embed_tokens.weight, "
                             "tensors[{}], whose dtype is {}: the head must be a copy of it",
                             field, policy::DTypeName(head.dtype), e, policy::DTypeName(embed->dtype)));
+      return false;
+    }
+    if (head.shape != embed->shape) {
+      SendError(peer, m.id, ErrorCode::kBadField, field + ".shape",
+                fmt::format("{}.shape = [{}] but the model ties lm_head.weight to model.embed_tokens.weight, "
+                            "tensors[{}], whose shape is [{}]: the head must be a copy of it",
+                            field, fmt::join(head.shape, ", "), e, fmt::join(embed->shape, ", ")));
       return false;
     }
     if (head.checksum != embed->checksum) {
@@ -1268,6 +1294,7 @@ struct WorkerServer::Impl {
   std::unordered_map<std::string, int> live_per_peer;  // peer -> its entries in `live` (> 0)
   std::unordered_set<std::string> gone_peers;          // peers whose requests OnPeerGone aborted
   uint64_t replies_dropped = 0;                        // WarnDroppedReply: since the start
+  uint64_t replies_dropped_warned = 0;                 // replies_dropped in the last warning
   Clock::time_point next_drop_warning{};               // WarnDroppedReply: at most one warning a second
   Clock::time_point next_peer_probe{};                 // ProbePeers: the next round (heartbeat_ms apart)
   uint64_t next_ticket = 1;

@@ -57,9 +57,9 @@ struct WorkerConfig {
   /// reading must not stall the worker); >= 1 (ZeroMQ would read 0 as no limit). Per connection:
   /// their memory adds up over clients. A client that reads can still have a burst queued: about
   /// one reply per sample it has unfinished plus one per request (`accepted`), all finishing in
-  /// one step at worst; keep the bound above that (the Python client keeps at most max_in_flight
-  /// = 256 samples per worker) or replies to reading clients are dropped too (each drop warns,
-  /// at most once a second).
+  /// one step at worst; keep the bound at least twice that (ZeroMQ counts lazily; the Python
+  /// client keeps at most max_in_flight = 256 samples per worker) or replies to reading clients
+  /// are dropped too (drops are warned about at most once a second, with the count).
   int send_high_water_mark = 100000;
   /// Unfinished generate requests one client (connection) may hold; beyond it, `overloaded`
   /// naming this limit. 0 = no limit of its own (the engine's max_pending_requests bounds all

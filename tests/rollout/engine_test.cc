@@ -727,9 +727,17 @@ TEST(EngineTest, BoundedQueueAnswersOverloaded) {
   for (int i = 0; i < 3; ++i) ASSERT_TRUE(e.Submit(MakeRequest("q" + std::to_string(i), {1}, 2), nullptr).ok());
   SubmitStatus s = e.Submit(MakeRequest("q3", {1}, 2), nullptr);
   EXPECT_EQ(s.code, SubmitStatus::Code::kOverloaded);
+  // A duplicate id is the request's own error even when the queue is full: clients retry
+  // overloaded, which would hide it.
+  EXPECT_TRUE(e.InFlight("q1"));
+  EXPECT_FALSE(e.InFlight("q3"));
+  const SubmitStatus duplicate = e.Submit(MakeRequest("q1", {1}, 2), nullptr);
+  EXPECT_EQ(duplicate.code, SubmitStatus::Code::kInvalid);
+  EXPECT_EQ(duplicate.error, "request_id 'q1' is already in flight");
   while (e.Step()) {
   }
   EXPECT_TRUE(e.Submit(MakeRequest("q3", {1}, 2), nullptr).ok());
+  EXPECT_FALSE(e.InFlight("q1"));
 }
 
 }  // namespace

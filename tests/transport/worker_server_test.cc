@@ -392,6 +392,10 @@ std::vector<SocketCase> SocketCases(int64_t max_message_bytes) {
       BeginHeader("u", 1, {TensorEntry("model.embed_tokens.weight", {259, 64}, 66304, "float32", 7),
                            TensorEntry("lm_head.weight", {64, 259}, 66304, "float32", 7)}),
       ErrorCode::kBadField, "tensors[1].shape");
+  one("lm_head of a tied model in another shape (so other bytes) than the embedding",
+      BeginHeader("u", 1, {TensorEntry("model.embed_tokens.weight", {259, 64}, 66304, "float32", 7),
+                           TensorEntry("lm_head.weight", {256, 64}, 65536, "float32", 8)}),
+      ErrorCode::kBadField, "tensors[1].shape");
   one("wrong shape", BeginHeader("u", 1, {TensorEntry("model.norm.weight", {64}, 256),
                                           TensorEntry("model.embed_tokens.weight", {64, 259}, 66304)}),
       ErrorCode::kBadField, "tensors[1].shape");
@@ -1530,6 +1534,11 @@ TEST(WorkerServerTest, MaxPendingPerClientKeepsOneClientFromTakingEverySlot) {
   const ErrorMsg bad = NextAs<ErrorMsg>(*hog);
   EXPECT_EQ(bad.code, ErrorCode::kBadField) << bad.message;
   EXPECT_EQ(bad.field, "n");
+  hog->Send(GenerateMsg{"g-dup", MakeRequest("w1", {1, 2}, 3)});  // w1 is in flight
+  const ErrorMsg duplicate = NextAs<ErrorMsg>(*hog);
+  EXPECT_EQ(duplicate.code, ErrorCode::kBadField) << duplicate.message;
+  EXPECT_EQ(duplicate.field, "request_id");
+  EXPECT_EQ(duplicate.message, "request_id 'w1' is already in flight");
   // Another client is served meanwhile.
   auto other = Connect(worker.endpoint());
   EXPECT_EQ(other->Generate({MakeRequest("o1", {1, 2}, 3), MakeRequest("o2", {1, 3}, 3)}).size(), 2u);

@@ -949,7 +949,8 @@ class VrollClient:
                     del in_flight[r.request_id]
                 raise VrollTimeoutError(
                     w.endpoint, f"generate ({len(stuck)} requests in flight; a dead, hung or "
-                    "paused worker: health() says paused)", self.timeout_s)
+                    "paused worker (health() says paused), or its replies dropped at a full "
+                    "queue (the worker's log warns of that: --max-queued-replies)", self.timeout_s)
 
     def _abort_requests(self, requests: Any) -> None:
         """Best effort: tells each request's worker to end it; replies are dropped later."""
