@@ -548,6 +548,7 @@ UpdateStatus WeightUpdateStaging::CheckManifest(const UpdateManifest& manifest, 
     tied_head_.in_manifest = true;
     tied_head_.num_bytes = tied_head->num_bytes;
     tied_head_.written.clear();
+    tied_head_.bytes.resize(tied_head->num_bytes);  // capacity kept across updates
   }
   if (!manifest.partial && manifest_slots_.size() != params_.size()) {
     for (size_t i = 0; i < params_.size(); ++i) {
@@ -620,9 +621,8 @@ UpdateStatus WeightUpdateStaging::Write(const std::string& name, uint64_t offset
     case State::kStaging: break;
   }
   if (tied_head_.in_manifest && name == kLmHeadName) {
-    // The tied head's copy of the embedding (CheckManifest): its ranges are kept, so that it must
-    // still arrive whole and once, and its bytes dropped; the embedding's own bytes are what is
-    // verified and used.
+    // The tied head's copy of the embedding (CheckManifest): it must arrive whole and once, and
+    // Verify compares it with the embedding's bytes; the embedding's own values are used.
     if (offset > tied_head_.num_bytes || num_bytes > tied_head_.num_bytes - offset) {
       return Poison(fmt::format("{}{}: out of range, the tensor has {} bytes [0, {})", Prefix(), what(),
                                 tied_head_.num_bytes, tied_head_.num_bytes),
@@ -632,6 +632,7 @@ UpdateStatus WeightUpdateStaging::Write(const std::string& name, uint64_t offset
     if (std::optional<std::string> overlap = InsertWrittenRange(tied_head_.written, offset, offset + num_bytes)) {
       return Poison(fmt::format("{}{}: {}", Prefix(), what(), *overlap), name);
     }
+    std::memcpy(tied_head_.bytes.data() + offset, data, num_bytes);
     return UpdateStatus::Ok();
   }
   const auto it = index_by_name_.find(name);
@@ -837,6 +838,24 @@ UpdateStatus WeightUpdateStaging::Verify() {
           params_[index].name);
     }
   }
+  // 2b. The tied head's copy is the embedding's bytes (its manifest entry said so; a trainer's
+  // head that differs would otherwise go unnoticed).
+  if (tied_head_.in_manifest) {
+    const auto embed = index_by_name_.find(kEmbedName);
+    VROLL_CHECK(embed != index_by_name_.end() && slots_[embed->second].in_manifest,
+                "the tied head is staged without {}", kEmbedName);
+    Slot& slot = slots_[embed->second];
+    const uint8_t* expected = SourceBytes(slot);
+    const auto mismatch = std::mismatch(tied_head_.bytes.begin(), tied_head_.bytes.end(), expected);
+    if (mismatch.first != tied_head_.bytes.end()) {
+      const uint64_t byte = static_cast<uint64_t>(mismatch.first - tied_head_.bytes.begin());
+      return Poison(fmt::format("{}tensor {}: listed as a copy of {} (same dtype, shape and checksum), but its "
+                                "bytes differ from element {} on (byte {}): the model ties the two, one shared "
+                                "matrix, so the trainer's head must be its embedding",
+                                Prefix(), kLmHeadName, kEmbedName, byte / DTypeSize(slot.dtype), byte),
+                    kLmHeadName);
+    }
+  }
   // 3. 16-bit sources were converted when complete (Finalize); only tensors that no write
   // completed (empty ones) are finalized here.
   for (size_t index : manifest_slots_) {
@@ -873,7 +892,9 @@ const std::vector<VerifiedTensor>& WeightUpdateStaging::verified() const {
 void WeightUpdateStaging::Abort() {
   for (size_t index : manifest_slots_) slots_[index].in_manifest = false;
   manifest_slots_.clear();
+  std::vector<uint8_t> head_buffer = std::move(tied_head_.bytes);  // reused by the next update
   tied_head_ = TiedHead{};
+  tied_head_.bytes = std::move(head_buffer);
   verified_.clear();
   poison_cause_.clear();
   poison_tensor_.clear();
@@ -915,7 +936,7 @@ void WeightUpdateStaging::Finish() {
 size_t WeightUpdateStaging::staging_bytes() const {
   size_t num_bytes = 0;
   for (const Slot& slot : slots_) num_bytes += slot.values.capacity() * sizeof(float) + slot.raw.capacity();
-  return num_bytes;
+  return num_bytes + tied_head_.bytes.capacity();
 }
 
 const char* StagingCopyPath() { return ChooseStreamLines().name; }

@@ -319,9 +319,11 @@ class WeightUpdateStaging {
   /// A model whose head is tied to the embedding (tied_lm_head()) has no lm_head.weight; an update
   /// may still list one, as Hugging Face's state_dict() of a tied model does (and vLLM's loaders
   /// skip), but only beside model.embed_tokens.weight with the same dtype, shape, num_bytes and
-  /// checksum: it is then a second copy of the embedding, written like any tensor (whole, once)
-  /// and its bytes discarded, the embedding's own bytes being verified and used. A head that
-  /// differs, or comes without the embedding, is refused with a message saying why.
+  /// checksum: it is then a second copy of the embedding, written like any tensor (whole, once);
+  /// Verify checks that its bytes equal the embedding's as received (a head whose bytes differ
+  /// poisons the update, naming the first differing element), and the embedding's own values
+  /// are what is used. A head whose manifest entry differs, or that comes without the
+  /// embedding, is refused with a message saying why. Memory: the copy is held while staged.
   /// Cost: O(manifest) plus, the first time a parameter/dtype is staged, allocating its buffer.
   UpdateStatus Begin(const UpdateManifest& manifest, PolicyVersion current_version);
 
@@ -485,11 +487,13 @@ class WeightUpdateStaging {
   std::vector<Slot> slots_;             // parallel to params_; never resized after construction
   std::vector<size_t> manifest_slots_;  // slot indices in manifest order (capacity reused)
   // lm_head.weight listed in a tied model's update as a copy of the embedding (CheckManifest):
-  // the byte ranges written so far; its bytes are not kept.
+  // the byte ranges written so far and the bytes as received, compared with the embedding's
+  // source bytes at Verify, then unused (the buffer is kept for the next update).
   struct TiedHead {
     bool in_manifest = false;
     uint64_t num_bytes = 0;
     std::vector<std::pair<uint64_t, uint64_t>> written;
+    std::vector<uint8_t> bytes;
   };
   TiedHead tied_head_;
   std::vector<VerifiedTensor> verified_;

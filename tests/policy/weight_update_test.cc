@@ -1012,8 +1012,34 @@ TEST_F(WeightUpdateStagingTest, TiedHeadCopyMustArriveWholeAndOnce) {
   // An update that does not list the head cannot write it.
   ASSERT_TRUE(staging_.Begin(ManifestFor(7, sources), 6).ok());
   const UpdateStatus unlisted = staging_.Write(head.name, 0, head.bytes.data(), 4);
-  EXPECT_THAT(unlisted.error(), AllOf(HasSubstr("lm_head.weight"), HasSubstr("ties lm_head")));
+  EXPECT_THAT(unlisted.error(), AllOf(HasSubstr("lm_head.weight"), HasSubstr("not in this update's manifest"),
+                                      HasSubstr("ties lm_head"), HasSubstr("as a copy of it")));
   ExpectPoisonedThenRecovers(unlisted, 6);
+
+  // A manifest entry that copies the embedding's but bytes that differ (a client that hashed
+  // the wrong tensor): Verify compares the bytes and names the first differing element. Chunks
+  // in any order, the head's first.
+  for (const size_t at : {size_t{0}, n / 2 + 1, n - 1}) {
+    SourceTensor changed = head;
+    changed.bytes[at] ^= 0x40;
+    ASSERT_TRUE(staging_.Begin(ManifestFor(8, sent), 6).ok());  // the manifest of the true copy
+    ASSERT_NO_FATAL_FAILURE(WriteAll(staging_, RandomChunks({changed}, rng_, 7)));
+    ASSERT_NO_FATAL_FAILURE(WriteAll(staging_, RandomChunks(sources, rng_, 40)));
+    const UpdateStatus differs = staging_.Verify();
+    const size_t element = at / DTypeSize(sources[0].dtype);
+    EXPECT_THAT(differs.error(), AllOf(HasSubstr("tensor lm_head.weight: listed as a copy of model.embed_tokens.weight"),
+                                       HasSubstr("differ from element " + std::to_string(element) + " on (byte " +
+                                                 std::to_string(at) + ")")));
+    EXPECT_EQ(differs.tensor(), "lm_head.weight");
+    ExpectPoisonedThenRecovers(differs, 6);
+  }
+  // The true copy still verifies after those (the kept buffer holds nothing stale).
+  ASSERT_TRUE(staging_.Begin(ManifestFor(8, sent), 6).ok());
+  ASSERT_NO_FATAL_FAILURE(WriteAll(staging_, RandomChunks(sent, rng_, 40)));
+  const UpdateStatus verified = staging_.Verify();
+  ASSERT_TRUE(verified.ok()) << verified.error();
+  ASSERT_NO_FATAL_FAILURE(ExpectVerifiedEquals(staging_, sources));
+  staging_.Finish();
 }
 
 TEST(WeightUpdateUntiedTest, UntiedModelAcceptsLmHead) {
