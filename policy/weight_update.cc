@@ -523,7 +523,8 @@ UpdateStatus WeightUpdateStaging::CheckManifest(const UpdateManifest& manifest, 
   if (tied_head != nullptr) {
     // The tied head is the embedding matrix: accepted only as a second copy of the embedding
     // this update carries (what a Hugging Face state_dict() of a tied model lists), recognised by
-    // the same dtype, shape and checksum; its bytes are received and discarded (see Write).
+    // the same dtype, shape and checksum; its bytes are kept while staged and compared with the
+    // embedding's at Verify.
     const auto embed = std::find_if(manifest.tensors.begin(), manifest.tensors.end(),
                                     [](const TensorManifestEntry& e) { return e.name == kEmbedName; });
     const auto refuse = [&](const std::string& why) {
@@ -892,7 +893,7 @@ const std::vector<VerifiedTensor>& WeightUpdateStaging::verified() const {
 void WeightUpdateStaging::Abort() {
   for (size_t index : manifest_slots_) slots_[index].in_manifest = false;
   manifest_slots_.clear();
-  std::vector<uint8_t> head_buffer = std::move(tied_head_.bytes);  // reused by the next update
+  std::vector<uint8_t> head_buffer = std::move(tied_head_.bytes);  // reused, unless freed below
   tied_head_ = TiedHead{};
   tied_head_.bytes = std::move(head_buffer);
   verified_.clear();
@@ -907,6 +908,7 @@ void WeightUpdateStaging::Abort() {
       std::vector<uint8_t>().swap(slot.raw);
       slot.span = FloatSpan();
     }
+    std::vector<uint8_t>().swap(tied_head_.bytes);
     malloc_trim(0);  // glibc keeps freed heap chunks mapped: hand the pages back
   }
   if (observer_ != nullptr) observer_->OnEnd();

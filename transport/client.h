@@ -155,7 +155,8 @@ class Client {
   /// The same for fp32 weights by canonical name; the ack's weights_checksum then equals
   /// policy::WeightsChecksum(weights) when the push was full (or the weights not pushed are
   /// unchanged); of `weights` without lm_head.weight when it went as a copy of the embedding to
-  /// a model whose head is tied (the worker drops that copy, docs/PROTOCOL.md update_begin).
+  /// a model whose head is tied (the worker checks that copy and uses the embedding,
+  /// docs/PROTOCOL.md update_begin).
   UpdateAckMsg PushWeights(const policy::WeightMap& weights, PolicyVersion version,
                            const PushOptions& options = {}, PushTimings* timings = nullptr);
   /// Phase two of a two-phase push: applies a verified update; returns the "applied" ack.

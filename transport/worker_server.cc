@@ -462,8 +462,9 @@ struct WorkerServer::Impl {
       deadline = next_drop_warning;  // WarnHeldBackDrops
     }
     if (!deadline) return -1;
-    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(*deadline - Clock::now()).count();
-    return left <= 0 ? 0 : static_cast<long>(left + 1);
+    // Rounded up, so that a deadline under 1 ms away is waited for rather than polled for.
+    const auto left = std::chrono::duration_cast<std::chrono::microseconds>(*deadline - Clock::now()).count();
+    return left <= 0 ? 0 : static_cast<long>((left + 999) / 1000);
   }
 
   std::optional<Incoming> ReceiveOne() {
@@ -589,6 +590,9 @@ struct WorkerServer::Impl {
     // The first probe comes heartbeat_ms after the worker has unfinished requests again.
     if (live_per_peer.empty()) next_peer_probe = Clock::now() + std::chrono::milliseconds(config.heartbeat_ms);
     ++live_per_peer[r.peer];
+    // A request of a peer already found gone (a message it sent before it vanished, handled after
+    // OnPeerGone ran for it) is aborted at once too: OnPeerGone runs once per peer.
+    if (gone_peers.count(r.peer) != 0) engine.Abort(r.engine_request_id);
     live.emplace(ticket, std::move(r));
   }
   void EraseLive(std::unordered_map<uint64_t, LiveRequest>::iterator it) {
@@ -949,8 +953,8 @@ struct WorkerServer::Impl {
   }
 
   /// tensors[i] is lm_head.weight and the model ties its head to model.embed_tokens.weight: it is
-  /// accepted only as a copy of the embedding entry of the same manifest (same dtype and
-  /// checksum); otherwise answered `bad_field` naming the field and why.
+  /// accepted only as a copy of the embedding entry of the same manifest (same dtype, shape,
+  /// num_bytes and checksum); otherwise answered `bad_field` naming the field and why.
   bool CheckTiedHead(const std::string& peer, const UpdateBeginMsg& m, size_t i) {
     const policy::TensorManifestEntry& head = m.manifest.tensors[i];
     const std::string field = fmt::format("tensors[{}]", i);
@@ -979,6 +983,13 @@ struct WorkerServer::Impl {
                 fmt::format("{}.shape = [{}] but the model ties lm_head.weight to model.embed_tokens.weight, "
                             "tensors[{}], whose shape is [{}]: the head must be a copy of it",
                             field, fmt::join(head.shape, ", "), e, fmt::join(embed->shape, ", ")));
+      return false;
+    }
+    if (head.num_bytes != embed->num_bytes) {
+      SendError(peer, m.id, ErrorCode::kBadField, field + ".num_bytes",
+                fmt::format("{}.num_bytes = {} but the model ties lm_head.weight to model.embed_tokens.weight, "
+                            "tensors[{}], whose num_bytes is {}: the head must be a copy of it",
+                            field, head.num_bytes, e, embed->num_bytes));
       return false;
     }
     if (head.checksum != embed->checksum) {
@@ -1018,9 +1029,15 @@ struct WorkerServer::Impl {
       if (spec == param_shapes.end() && e.name == "lm_head.weight" &&
           param_shapes.count("model.embed_tokens.weight") != 0) {
         // A tied model's head: accepted as a second copy of the embedding this update carries
-        // (a Hugging Face state_dict() lists both), and dropped; see WeightUpdateStaging::Begin.
+        // (a Hugging Face state_dict() lists both), compared with it at commit; see
+        // WeightUpdateStaging::Begin. The embedding's entry is checked on its own turn.
+        if (!seen.emplace(e.name, i).second) {
+          SendError(peer, m.id, ErrorCode::kBadField, field + ".name",
+                    fmt::format("{}.name = '{}' repeats tensors[{}]", field, e.name, seen[e.name]));
+          return false;
+        }
         if (!CheckTiedHead(peer, m, i)) return false;
-        spec = param_shapes.find("model.embed_tokens.weight");
+        continue;
       }
       if (spec == param_shapes.end()) {
         SendError(peer, m.id, ErrorCode::kBadField, field + ".name",

@@ -396,6 +396,15 @@ std::vector<SocketCase> SocketCases(int64_t max_message_bytes) {
       BeginHeader("u", 1, {TensorEntry("model.embed_tokens.weight", {259, 64}, 66304, "float32", 7),
                            TensorEntry("lm_head.weight", {256, 64}, 65536, "float32", 8)}),
       ErrorCode::kBadField, "tensors[1].shape");
+  one("lm_head of a tied model whose num_bytes differs from the embedding's",
+      BeginHeader("u", 1, {TensorEntry("model.embed_tokens.weight", {259, 64}, 66304, "float32", 7),
+                           TensorEntry("lm_head.weight", {259, 64}, 66300, "float32", 7)}),
+      ErrorCode::kBadField, "tensors[1].num_bytes");
+  // A head listed first that copies a wrong embedding entry: the error is the embedding's own.
+  one("an embedding of the wrong shape, copied by the tied head listed before it",
+      BeginHeader("u", 1, {TensorEntry("lm_head.weight", {64, 259}, 66304, "float32", 7),
+                           TensorEntry("model.embed_tokens.weight", {64, 259}, 66304, "float32", 7)}),
+      ErrorCode::kBadField, "tensors[1].shape");
   one("wrong shape", BeginHeader("u", 1, {TensorEntry("model.norm.weight", {64}, 256),
                                           TensorEntry("model.embed_tokens.weight", {64, 259}, 66304)}),
       ErrorCode::kBadField, "tensors[1].shape");
@@ -1026,7 +1035,7 @@ TEST(WorkerServerTest, AWeightPushIsAcknowledgedWithItsChecksumAndNextSamplesCar
 
 TEST(WorkerServerTest, ATiedModelTakesAPushListingItsHeadAsACopyOfTheEmbedding) {
   // What a Hugging Face state_dict() of a tied model holds: lm_head.weight beside (and equal to)
-  // model.embed_tokens.weight. The worker's model ties them: the copy is received and dropped.
+  // model.embed_tokens.weight. The worker's model ties them: the copy is received and compared, the embedding used.
   WorkerHarness worker;
   auto trainer = Connect(worker.endpoint());
   auto client = Connect(worker.endpoint());

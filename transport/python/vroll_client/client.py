@@ -29,7 +29,8 @@ import zmq
 from . import protocol
 from .types import (CompletionOutput, RequestOutput, SamplingParams, UpdateAck, VrollError,
                     VrollTimeoutError, WeightUpdateError, WorkerError)
-from .weights import DEFAULT_CHUNK_BYTES, WireTensor, chunk_ranges, to_wire, wire_weights_checksum
+from .weights import (DEFAULT_CHUNK_BYTES, WireTensor, chunk_ranges, to_wire, weights_checksum_from_digests,
+                      wire_digests)
 
 logger = logging.getLogger("vroll_client")
 
@@ -83,14 +84,15 @@ def _expected_weights_checksums(tensors: List[WireTensor], named_tensors: Mappin
     """The weights_checksum an applied full update may report: that of named_tensors, and,
     when lm_head.weight goes as a copy of model.embed_tokens.weight (same dtype, shape and
     checksum on the wire), also that of the rest: a worker whose model ties the two holds one
-    matrix and drops the copy (docs/PROTOCOL.md, update_begin)."""
-    expected = {wire_weights_checksum(tensors, named_tensors)}
+    matrix and uses the embedding (docs/PROTOCOL.md, update_begin). One pass over the tensors."""
+    digests = wire_digests(tensors, named_tensors)
+    expected = {weights_checksum_from_digests(digests)}
     by_name = {t.name: t for t in tensors}
     head, embedding = by_name.get(_TIED_HEAD), by_name.get(_EMBEDDING)
     if head is not None and embedding is not None and (head.dtype, head.shape, head.checksum) == (
             embedding.dtype, embedding.shape, embedding.checksum):
-        untied = [t for t in tensors if t.name != _TIED_HEAD]
-        expected.add(wire_weights_checksum(untied, named_tensors))
+        head_name = _TIED_HEAD.encode("utf-8")
+        expected.add(weights_checksum_from_digests([d for d in digests if d[0] != head_name]))
     return expected
 
 class _Worker:
@@ -1008,7 +1010,8 @@ class VrollClient:
           weights_checksum == weights_checksum(named_tensors); for a worker whose model ties
           its head to its embedding, when named_tensors lists ``lm_head.weight`` as a copy of
           ``model.embed_tokens.weight`` (a tied Hugging Face model's state_dict() does; the
-          worker drops that copy), the checksum of named_tensors without it.
+          worker checks the copy and uses the embedding), the checksum of named_tensors
+          without it.
         Raises:
           TypeError / ValueError: a bad argument or tensor dtype (nothing sent).
           WeightUpdateError: ``phase`` says where (begin, stage, verify: aborted everywhere;

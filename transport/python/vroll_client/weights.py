@@ -184,10 +184,11 @@ def weights_checksum_from_digests(digests: List[Tuple[bytes, int, int]]) -> int:
     return h.intdigest()
 
 
-def wire_weights_checksum(tensors: List[WireTensor], named_tensors: Mapping[str, Any]) -> int:
-    """weights_checksum(named_tensors) for tensors already packed by to_wire: float32 tensors
-    reuse their manifest checksum (no second pass over their bytes); fp16/bf16 ones are hashed
-    as float32 values."""
+def wire_digests(tensors: List[WireTensor],
+                 named_tensors: Mapping[str, Any]) -> List[Tuple[bytes, int, int]]:
+    """The per-tensor digests of weights_checksum for tensors already packed by to_wire:
+    float32 tensors reuse their manifest checksum (no second pass over their bytes); fp16/bf16
+    ones are hashed as float32 values. Combine them with weights_checksum_from_digests."""
     digests = []
     for t in tensors:
         if t.dtype == "float32":
@@ -196,4 +197,9 @@ def wire_weights_checksum(tensors: List[WireTensor], named_tensors: Mapping[str,
             data = _float32_le(t.name, named_tensors[t.name])
             digests.append((t.name.encode("utf-8"), data.nbytes,
                             xxhash.xxh3_64_intdigest(memoryview(data.reshape(-1).view(np.uint8)))))
-    return weights_checksum_from_digests(digests)
+    return digests
+
+
+def wire_weights_checksum(tensors: List[WireTensor], named_tensors: Mapping[str, Any]) -> int:
+    """weights_checksum(named_tensors) for tensors already packed by to_wire (wire_digests)."""
+    return weights_checksum_from_digests(wire_digests(tensors, named_tensors))
