@@ -549,6 +549,7 @@ HealthMsg ParseHealth(const MapReader& m, std::string id) {
   h.model.dim = model.I32("dim");
   h.model.n_layers = model.I32("n_layers");
   h.model.max_model_len = model.OptI32("max_model_len", h.model.max_seq_len, 0);
+  h.model.rope_layout = model.OptStr("rope_layout");
   h.protocol_version = m.I32("protocol_version");
   h.paused = m.OptBool("paused", false);
   h.update_version = m.OptU64("update_version", 0);
@@ -941,6 +942,7 @@ struct WorkerEncoder {
     model.Int("dim", m.model.dim);
     model.Int("n_layers", m.model.n_layers);
     model.Int("max_model_len", m.model.max_model_len);
+    if (!m.model.rope_layout.empty()) model.Str("rope_layout", m.model.rope_layout);
     w.Map("model", model);
     w.Int("protocol_version", m.protocol_version);
     w.Bool("paused", m.paused);

@@ -197,6 +197,10 @@ struct ModelInfo {
   /// its KV cache cannot hold a full-context sequence (rollout::Engine::max_model_len). Replies
   /// without the field (older workers) read as max_seq_len.
   int max_model_len = 0;
+  /// How the model rotates query/key pairs (RoPE), which fixes the row order of the q_proj and
+  /// k_proj weights a push must send: "interleaved" (llama2.c checkpoints) or "half_split"
+  /// (Hugging Face checkpoints; rotate_half). Empty in replies of older workers.
+  std::string rope_layout;
 };
 
 /// "health".

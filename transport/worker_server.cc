@@ -547,7 +547,8 @@ struct WorkerServer::Impl {
     return HealthMsg{id,
                      !shutting_down,
                      engine.policy_version(),
-                     ModelInfo{model.vocab_size, model.max_seq_len, model.dim, model.n_layers, engine.max_model_len()},
+                     ModelInfo{model.vocab_size, model.max_seq_len, model.dim, model.n_layers, engine.max_model_len(),
+                               model.rope_layout == policy::RopeLayout::kInterleaved ? "interleaved" : "half_split"},
                      kProtocolVersion,
                      engine.paused(),
                      update && update->phase != OpenUpdate::Phase::kPoisoned ? update->version : 0};

@@ -35,6 +35,9 @@ sys.path.insert(0, os.path.join(REPO, "transport", "python"))
 from vroll_client import SamplingParams, VrollClient  # noqa: E402
 from vroll_llama import DEFAULT_CONFIG, Llama, Tokenizer, load_llama2c  # noqa: E402
 
+# vroll_llama rotates interleaved pairs (llama2.c): push_weights checks the workers do too.
+ROPE_LAYOUT = "interleaved"
+
 STORY_PROMPTS = [
     "Once upon a time", "One day", "Tom and Lily", "There was a", "The little girl", "Sam wanted to",
     "In the park", "Mom said", "The sun was", "Ben had a", "It was a", "Anna saw a",
@@ -180,7 +183,8 @@ def main():
         # Workers that already ran updates (of an earlier run) refuse a version that is not newer.
         version = max(h["policy_version"] for h in health.values()) + 1
         t_push = time.time()
-        client.push_weights(model.hf_state_dict(), version, mode=args.mode)
+        client.push_weights(model.hf_state_dict(), version, mode=args.mode,
+                            rope_layout=ROPE_LAYOUT)
         print(f"[grpo] {len(endpoints)} worker(s) at {', '.join(endpoints)}; pushed initial weights as version "
               f"{version} ({time.time() - t_push:.2f} s); reward: {task.describe()}", flush=True)
         opt = torch.optim.Adam(model.parameters(), lr=args.lr)
@@ -221,7 +225,8 @@ def main():
                 t_train = time.time() - t1
                 version += 1
                 t2 = time.time()
-                acks = client.push_weights(model.hf_state_dict(), version, mode=args.mode)
+                acks = client.push_weights(model.hf_state_dict(), version, mode=args.mode,
+                                           rope_layout=ROPE_LAYOUT)
                 t_push = time.time() - t2
                 rec = {
                     "step": step,

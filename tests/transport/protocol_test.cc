@@ -189,13 +189,16 @@ TEST(ProtocolTest, ReplyMessagesRoundTrip) {
   EXPECT_EQ(rst.stats.num_retired_blocks, 17);
   EXPECT_EQ(rst.stats.policy_version, 3u);
 
-  const HealthMsg rh = RoundTripWorker(HealthMsg{"h", true, 5, {259, 256, 64, 4, 200}, 1});
+  const HealthMsg rh = RoundTripWorker(HealthMsg{"h", true, 5, {259, 256, 64, 4, 200, ""}, 1});
   EXPECT_EQ(rh.model.vocab_size, 259);
   EXPECT_EQ(rh.model.n_layers, 4);
   EXPECT_EQ(rh.model.max_model_len, 200);
+  EXPECT_EQ(rh.model.rope_layout, "");  // not sent when unknown
+  EXPECT_EQ(RoundTripWorker(HealthMsg{"h", true, 5, {259, 256, 64, 4, 200, "half_split"}, 1}).model.rope_layout,
+            "half_split");
   EXPECT_FALSE(rh.paused);
   EXPECT_EQ(rh.update_version, 0u);
-  HealthMsg updating{"h", true, 5, {259, 256, 64, 4, 200}, 1, true, 6};
+  HealthMsg updating{"h", true, 5, {259, 256, 64, 4, 200, ""}, 1, true, 6};
   EXPECT_TRUE(RoundTripWorker(updating).paused);
   EXPECT_EQ(RoundTripWorker(updating).update_version, 6u);
   {  // a reply without max_model_len (an older worker) reads it as max_seq_len

@@ -1613,6 +1613,7 @@ TEST(WorkerServerTest, HealthAndStatsDescribeTheEngine) {
   EXPECT_EQ(h.model.dim, 64);
   EXPECT_EQ(h.model.n_layers, 4);
   EXPECT_EQ(h.model.max_model_len, 256);  // the cache holds the whole context
+  EXPECT_EQ(h.model.rope_layout, "interleaved");  // the default model's (llama2.c's) RoPE
   // The engine publishes its counters after the step that emitted the sample: poll for them.
   const rollout::EngineStats s =
       StatsWhen(*client, [](const rollout::EngineStats& e) { return e.num_finished_samples >= 1; });

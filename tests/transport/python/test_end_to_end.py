@@ -132,7 +132,8 @@ class TwoWorkersTest(unittest.TestCase):
             self.assertTrue(h["ok"])
             self.assertEqual(h["protocol_version"], 1)
             self.assertEqual(h["model"], {"vocab_size": VOCAB, "max_seq_len": 256, "dim": DIM,
-                                          "n_layers": N_LAYERS, "max_model_len": 256})
+                                          "n_layers": N_LAYERS, "max_model_len": 256,
+                                          "rope_layout": "interleaved"})
 
     def test_generate_n_samples_counts_token_ranges_and_logprobs(self):
         prompts = [[1, 72, 101, 108], [1, 84], [1, 87, 111, 114, 108, 100, 33]]
@@ -313,6 +314,21 @@ class TwoWorkersTest(unittest.TestCase):
             self.assertEqual((failure.code, failure.field), ("bad_field", "tensors[0].checksum"))
             self.assertIn("differs from its embedding", str(failure))
         self.assertEqual(self.versions(), [version, version])
+
+    def test_rope_layout_is_checked_against_the_workers_before_anything_is_sent(self):
+        # The default model is llama2.c-style (interleaved RoPE): weights declared in Hugging
+        # Face order are refused before anything is sent; declared interleaved, they go through.
+        before = self.versions()
+        weights = make_weights(seed=31)
+        with self.assertRaises(ValueError) as cm:
+            self.client.push_weights(weights, version=max(before) + 1, rope_layout="half_split")
+        self.assertIn("uses interleaved RoPE", str(cm.exception))
+        self.assertIn("nothing sent", str(cm.exception))
+        self.assertEqual(self.versions(), before)
+        with self.assertRaises(ValueError):
+            self.client.push_weights(weights, version=max(before) + 1, rope_layout="rotate_half")
+        acks = self.client.push_weights(weights, version=max(before) + 1, rope_layout="interleaved")
+        self.assertEqual([a.version for a in acks], [max(before) + 1] * 2)
 
     def test_bad_checksum_in_one_workers_stream_is_aborted_everywhere(self):
         before = self.versions()

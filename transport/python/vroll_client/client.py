@@ -554,7 +554,9 @@ class VrollClient:
                timeout_s: Optional[float] = None) -> Dict[str, Dict[str, Any]]:
         """{endpoint: health reply}: ``ok`` (bool), ``policy_version`` (int), ``model`` (map:
         vocab_size, max_seq_len, dim, n_layers, max_model_len: the longest prompt + output the
-        worker runs, max_seq_len or less when its KV cache is too small), ``protocol_version``,
+        worker runs, max_seq_len or less when its KV cache is too small, rope_layout:
+        ``interleaved`` or ``half_split``, the q_proj/k_proj row order pushes must use),
+        ``protocol_version``,
         ``paused`` (bool), ``update_version`` (the version of an update open there; 0: none).
 
         Args: endpoints: a subset of this client's (default all); timeout_s: overrides the
@@ -973,7 +975,8 @@ class VrollClient:
                      partial: bool = False, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                      endpoints: Optional[Sequence[str]] = None,
                      apply_timeout_s: Optional[float] = None,
-                     busy_wait_s: float = 5.0) -> List[UpdateAck]:
+                     busy_wait_s: float = 5.0,
+                     rope_layout: Optional[str] = None) -> List[UpdateAck]:
         """Pushes new weights to the workers as one all-or-nothing update; returns each
         worker's ``applied`` acknowledgement, in endpoint order.
 
@@ -1005,6 +1008,11 @@ class VrollClient:
             yet found gone) is asked again, with a back-off from 0.05 s to 1 s, for up to this
             long; 0: not at all. Workers that began meanwhile wait (well within their
             update_timeout_ms, 30 s by default).
+          rope_layout: the RoPE layout the q_proj/k_proj rows of named_tensors are in,
+            ``"interleaved"`` (llama2.c order, e.g. examples/python/vroll_llama.py) or
+            ``"half_split"`` (Hugging Face order); when given, every worker's health must report
+            the same (a worker that loaded the other kind of checkpoint would compute garbage
+            from these weights, passing every other check), else ValueError, nothing sent.
         Returns:
           list[UpdateAck] with stage ``applied``, version == ``version`` and (full updates)
           weights_checksum == weights_checksum(named_tensors); for a worker whose model ties
@@ -1031,7 +1039,11 @@ class VrollClient:
             raise ValueError("named_tensors is empty")
         if chunk_bytes < 1:
             raise ValueError(f"chunk_bytes = {chunk_bytes} must be >= 1")
+        if rope_layout not in (None, "interleaved", "half_split"):
+            raise ValueError(f"rope_layout = {rope_layout!r}; one of None, 'interleaved', 'half_split'")
         workers = self._select(endpoints)
+        if rope_layout is not None:
+            self._check_rope_layout(workers, rope_layout)
         tensors = [to_wire(name, named_tensors[name]) for name in sorted(named_tensors)]
         expected_checksums = set() if partial else _expected_weights_checksums(tensors, named_tensors)
         update_id = self._next_id("u")
@@ -1174,6 +1186,19 @@ class VrollClient:
             raise WeightUpdateError(version, update_id, "checksum", failures, acks)
         return acks
 
+    def _check_rope_layout(self, workers: Sequence[_Worker], rope_layout: str) -> None:
+        """ValueError unless every worker's health reports `rope_layout` (push_weights)."""
+        for endpoint, reply in self.health([w.endpoint for w in workers]).items():
+            layout = (reply.get("model") or {}).get("rope_layout")
+            if layout is None:
+                raise ValueError(f"{endpoint}: its health reply names no rope_layout (an older worker), so "
+                                 f"rope_layout = {rope_layout!r} cannot be checked; nothing sent")
+            if layout != rope_layout:
+                raise ValueError(
+                    f"{endpoint}: the worker's model uses {layout} RoPE, but these weights are given as "
+                    f"rope_layout = {rope_layout!r}: it would read their q_proj/k_proj rows in the wrong "
+                    "order and compute garbage (docs/PROTOCOL.md, Weight updates); nothing sent")
+
     @staticmethod
     def _stage_failures(results: Mapping[str, Any], stage: str) -> Dict[str, Exception]:
         failures: Dict[str, Exception] = {}
@@ -1264,7 +1289,8 @@ class VrollClient:
 
     def ensure_weights(self, named_tensors: Mapping[str, Any], version: int, mode: str = "drain",
                        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                       endpoints: Optional[Sequence[str]] = None) -> List[UpdateAck]:
+                       endpoints: Optional[Sequence[str]] = None,
+                       rope_layout: Optional[str] = None) -> List[UpdateAck]:
         """Brings every worker to ``version``: asks each for its health and pushes the full
         weights (one two-phase update among the stale ones) to those that report an older
         version, e.g. a worker restarted from its initial weights (version 0).
@@ -1272,6 +1298,7 @@ class VrollClient:
         Call it after a WorkerError/VrollTimeoutError from a worker, or before each round of
         generation, to resume after a worker restart. A no-op (returns []) when all are current,
         and for version 0 (initial weights, which a restarted worker already has).
+        rope_layout: as push_weights (checked on the workers that are pushed to).
         Returns: the applied UpdateAcks of the workers that were updated.
         Raises: VrollTimeoutError/WorkerError from health (a worker still down);
         WeightUpdateError with phase ``version`` when a worker runs a *newer* version than
@@ -1289,4 +1316,4 @@ class VrollClient:
             return []
         logger.info("ensure_weights: pushing version %d to %s", version, stale)
         return self.push_weights(named_tensors, version, mode=mode, partial=False,
-                                 chunk_bytes=chunk_bytes, endpoints=stale)
+                                 chunk_bytes=chunk_bytes, endpoints=stale, rope_layout=rope_layout)
