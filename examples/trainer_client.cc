@@ -113,10 +113,15 @@ std::string Continuation(const vroll::policy::Tokenizer& tokenizer, TokenId prev
   return escaped;
 }
 
-/// Pushes `weights` as `version`, checks the ack (version, weights checksum) and prints it.
-void Push(vroll::transport::Client& client, const vroll::policy::WeightMap& weights, PolicyVersion version) {
+/// Pushes `weights` (q_proj/k_proj rows in `rope_layout`) as `version`, checks the ack (version,
+/// weights checksum) and prints it. The worker refuses weights of the other RoPE layout (e.g. a
+/// worker started on the Hugging Face conversion of the same model) as bad_field rope_layout.
+void Push(vroll::transport::Client& client, const vroll::policy::WeightMap& weights, PolicyVersion version,
+          vroll::policy::RopeLayout rope_layout) {
   const uint64_t expected = vroll::policy::WeightsChecksum(weights);
-  const vroll::transport::UpdateAckMsg ack = client.PushWeights(weights, version);
+  vroll::transport::PushOptions options;
+  options.rope_layout = rope_layout;
+  const vroll::transport::UpdateAckMsg ack = client.PushWeights(weights, version, options);
   std::printf("pushed version %llu: applied, weights_checksum %016llx (%s), waited %.1f ms, stall %.1f ms\n",
               static_cast<unsigned long long>(ack.version), static_cast<unsigned long long>(ack.weights_checksum),
               ack.weights_checksum == expected ? "matches" : "DIFFERS", ack.wait_ms, ack.stall_ms);
@@ -289,10 +294,10 @@ int main(int argc, char** argv) {
     // Version 1 (the next version: 1 on a fresh worker), rollouts, then version 2.
     const PolicyVersion first = health.policy_version + 1;
     int num_mismatched = 0;
-    Push(client, ckpt.weights, first);
+    Push(client, ckpt.weights, first, ckpt.config.rope_layout);
     num_mismatched += Rollout(client, prompts, n, sampling, first, seed, tokenizer);
     Perturb(ckpt.weights, perturb_std, seed + 1);
-    Push(client, ckpt.weights, first + 1);
+    Push(client, ckpt.weights, first + 1, ckpt.config.rope_layout);
     num_mismatched += Rollout(client, prompts, n, sampling, first + 1, seed, tokenizer);
 
     const int num_samples = 2 * static_cast<int>(prompts.size()) * n;

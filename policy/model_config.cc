@@ -82,11 +82,21 @@ int64_t ModelConfig::NumParameters() const {
   return *count;
 }
 
+const char* RopeLayoutName(RopeLayout layout) {
+  return layout == RopeLayout::kInterleaved ? "interleaved" : "half_split";
+}
+
+std::optional<RopeLayout> ParseRopeLayout(std::string_view name) {
+  if (name == "interleaved") return RopeLayout::kInterleaved;
+  if (name == "half_split") return RopeLayout::kHalfSplit;
+  return std::nullopt;
+}
+
 std::string ModelConfig::ToString() const {
   return fmt::format(
       "dim={} hidden_dim={} layers={} heads={}/{} vocab={} seq={} rope={} theta={} eps={} tied={} bias={}", dim,
       hidden_dim, n_layers, n_heads, n_kv_heads, vocab_size, max_seq_len,
-      rope_layout == RopeLayout::kInterleaved ? "interleaved" : "half_split", rope_theta, norm_eps,
+      RopeLayoutName(rope_layout), rope_theta, norm_eps,
       tie_word_embeddings, attention_bias);
 }
 

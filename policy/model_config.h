@@ -2,7 +2,9 @@
 // Shape and hyper-parameters of a Llama-family decoder (Llama 2, TinyLlama, Qwen2, llama2.c).
 
 #include <cstdint>
+#include <optional>
 #include <string>
+#include <string_view>
 
 namespace vroll::policy {
 
@@ -11,6 +13,11 @@ namespace vroll::policy {
 ///   kHalfSplit:   pairs (i, i + head_dim/2), "rotate_half" as Hugging Face checkpoints expect.
 /// Both rotate pair i by angle pos * rope_theta^(-2i/head_dim) (RoFormer, Su et al. 2021).
 enum class RopeLayout { kInterleaved, kHalfSplit };
+
+/// "interleaved" or "half_split": the names the wire protocol and logs use.
+const char* RopeLayoutName(RopeLayout layout);
+/// The layout named `name` ("interleaved" or "half_split"), or nullopt for any other string.
+std::optional<RopeLayout> ParseRopeLayout(std::string_view name);
 
 /// Plain config struct; Validate() throws ConfigError naming the bad field.
 struct ModelConfig {

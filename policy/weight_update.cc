@@ -479,6 +479,17 @@ UpdateStatus WeightUpdateStaging::CheckManifest(const UpdateManifest& manifest, 
         manifest.version));
   }
   if (manifest.tensors.empty()) return UpdateStatus::Error(Prefix() + "refused: the manifest names no tensors");
+  if (manifest.rope_layout && !model_rope_layout_) {
+    return UpdateStatus::Error(fmt::format("{}refused: rope_layout {} is declared but the model's RoPE layout is "
+                                           "unknown to this staging (set_model_rope_layout), so it cannot be checked",
+                                           Prefix(), RopeLayoutName(*manifest.rope_layout)));
+  }
+  if (manifest.rope_layout && *manifest.rope_layout != *model_rope_layout_) {
+    return UpdateStatus::Error(fmt::format(
+        "{}refused: rope_layout {}, but the model computes RoPE {}: its q_proj/k_proj rows would be read in the "
+        "wrong order (permute them to the model's layout before sending)",
+        Prefix(), RopeLayoutName(*manifest.rope_layout), RopeLayoutName(*model_rope_layout_)));
+  }
   const TensorManifestEntry* tied_head = nullptr;
   for (const TensorManifestEntry& entry : manifest.tensors) {
     if (tied_lm_head_ && entry.name == kLmHeadName) {

@@ -39,6 +39,7 @@
 #include <utility>
 #include <vector>
 
+#include "policy/model_config.h"
 #include "policy/policy_version.h"
 #include "policy/weights.h"
 #include "policy/xxh3.h"
@@ -148,6 +149,12 @@ struct UpdateManifest {
   PolicyVersion version = 0;                 ///< must be > the version in use
   std::vector<TensorManifestEntry> tensors;  ///< each parameter at most once, any order
   bool partial = false;  ///< true: `tensors` may be a subset of the model's parameters
+  /// The RoPE layout the q_proj/k_proj rows of `tensors` are in, when the sender declares it
+  /// (interleaved: llama2.c and Meta checkpoints; half_split: Hugging Face's rotate_half). Rows in
+  /// the other order pass every other check (same shapes, consistent checksums) and make the model
+  /// compute garbage, so a declared layout must equal the model's (see
+  /// WeightUpdateStaging::set_model_rope_layout); nullopt: not declared, not checked.
+  std::optional<RopeLayout> rope_layout;
 };
 
 /// One parameter of the model: canonical name and shape. Parameters are fp32.
@@ -315,7 +322,8 @@ class WeightUpdateStaging {
   /// Refused when: manifest.version <= current_version; a name is not a model parameter; a name
   /// repeats; a shape differs from
   /// the parameter's; a dtype is outside {fp32, fp16, bf16}; num_bytes != numel * dtype size;
-  /// the manifest is empty; or, unless `partial`, a parameter is missing.
+  /// the manifest is empty; unless `partial`, a parameter is missing; or manifest.rope_layout is
+  /// declared and differs from set_model_rope_layout's (or that was never set).
   /// A model whose head is tied to the embedding (tied_lm_head()) has no lm_head.weight; an update
   /// may still list one, as Hugging Face's state_dict() of a tied model does (and vLLM's loaders
   /// skip), but only beside model.embed_tokens.weight with the same dtype, shape, num_bytes and
@@ -371,6 +379,11 @@ class WeightUpdateStaging {
   /// updates in place keeps 2x the weights' size between updates instead of 3x). Default true:
   /// kept for reuse. Borrowed buffers (UseValueBuffers) are never the staging's to release.
   void set_keep_buffers(bool keep) { keep_buffers_ = keep; }
+
+  /// The RoPE layout of the model the updates are for (rollout::Engine sets it from the model's
+  /// config). A manifest that declares another layout is refused by Begin; one that declares a
+  /// layout while the model's is not set is refused too (it cannot be checked).
+  void set_model_rope_layout(RopeLayout layout) { model_rope_layout_ = layout; }
 
   /// Where each parameter's fp32 values are staged from the next Begin on: `buffers[i]` (parallel
   /// to params(); prod(shape) floats, borrowed: it must stay valid and untouched by others until
@@ -477,6 +490,7 @@ class WeightUpdateStaging {
   std::vector<ParamSpec> params_;
   std::unordered_map<std::string, size_t> index_by_name_;
   bool tied_lm_head_ = false;
+  std::optional<RopeLayout> model_rope_layout_;  // set_model_rope_layout
 
   // Transaction state (owner thread only).
   bool keep_buffers_ = true;

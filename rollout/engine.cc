@@ -568,6 +568,7 @@ void Engine::ApplyUpdate(PendingUpdate& u, UpdateResult ack) {
 
 std::shared_ptr<policy::WeightUpdateStaging> Engine::MakeStaging() {
   auto staging = std::make_shared<policy::WeightUpdateStaging>(param_specs_);
+  staging->set_model_rope_layout(model_config_.rope_layout);
   std::lock_guard<std::mutex> lock(staging_mu_);
   if (bound_staging_.expired()) {  // no other staging writes into the spares
     staging->UseValueBuffers(spare_buffers_);

@@ -73,6 +73,11 @@ struct TensorBytes {
 struct PushOptions {
   rollout::InFlightMode mode = rollout::InFlightMode::kDrain;
   bool partial = false;                      ///< true: the tensors may be a subset of the model's
+  /// The RoPE layout the q_proj/k_proj rows of the tensors are in (interleaved: llama2.c/Meta;
+  /// half_split: Hugging Face). Sent in update_begin: a worker whose model computes the other
+  /// layout refuses the update (WorkerError bad_field "rope_layout") before any chunk is sent.
+  /// nullopt: not declared, not checked (rows in the wrong order would pass every other check).
+  std::optional<policy::RopeLayout> rope_layout;
   size_t chunk_bytes = size_t{4} << 20;      ///< bytes per update_chunk frame (see docs/PROTOCOL.md, Limits)
   /// false: stop after verification (ack stage "verified"), for a two-phase push to several
   /// workers; then ApplyUpdate(update_id) on each.

@@ -409,6 +409,11 @@ UpdateBeginMsg ParseUpdateBegin(const MapReader& m, std::string id) {
   msg.manifest.version = m.U64("version");
   msg.mode = ParseMode(m);
   msg.manifest.partial = m.OptBool("partial", false);
+  if (m.Find("rope_layout") != nullptr) {
+    const std::string layout = m.Str("rope_layout");
+    msg.manifest.rope_layout = policy::ParseRopeLayout(layout);
+    if (!msg.manifest.rope_layout) BadField("rope_layout", fmt::format("= '{}' must be interleaved or half_split", layout));
+  }
   const msgpack::object_array& tensors = ToArray(m.Required("tensors"), "tensors");
   msg.manifest.tensors.reserve(tensors.size);
   for (uint32_t i = 0; i < tensors.size; ++i) {
@@ -813,6 +818,7 @@ struct ClientEncoder {
     w.Uint("version", m.manifest.version);
     w.Str("mode", rollout::InFlightModeName(m.mode));
     w.Bool("partial", m.manifest.partial);
+    if (m.manifest.rope_layout) w.Str("rope_layout", policy::RopeLayoutName(*m.manifest.rope_layout));
     w.Key("tensors").pack_array(static_cast<uint32_t>(m.manifest.tensors.size()));
     for (const policy::TensorManifestEntry& e : m.manifest.tensors) {
       MapWriter t;

@@ -548,7 +548,7 @@ struct WorkerServer::Impl {
                      !shutting_down,
                      engine.policy_version(),
                      ModelInfo{model.vocab_size, model.max_seq_len, model.dim, model.n_layers, engine.max_model_len(),
-                               model.rope_layout == policy::RopeLayout::kInterleaved ? "interleaved" : "half_split"},
+                               policy::RopeLayoutName(model.rope_layout)},
                      kProtocolVersion,
                      engine.paused(),
                      update && update->phase != OpenUpdate::Phase::kPoisoned ? update->version : 0};
@@ -949,7 +949,7 @@ struct WorkerServer::Impl {
       return x.name == y.name && x.dtype == y.dtype && x.shape == y.shape && x.num_bytes == y.num_bytes &&
              x.checksum == y.checksum;
     };
-    return a.version == b.version && a.partial == b.partial &&
+    return a.version == b.version && a.partial == b.partial && a.rope_layout == b.rope_layout &&
            std::equal(a.tensors.begin(), a.tensors.end(), b.tensors.begin(), b.tensors.end(), same_entry);
   }
 
@@ -1020,6 +1020,15 @@ struct WorkerServer::Impl {
     }
     if (m.manifest.tensors.empty()) {
       SendError(peer, m.id, ErrorCode::kBadField, "tensors", "tensors is empty: an update names at least one tensor");
+      return false;
+    }
+    const policy::RopeLayout rope_layout = engine.model_config().rope_layout;
+    if (m.manifest.rope_layout && *m.manifest.rope_layout != rope_layout) {
+      SendError(peer, m.id, ErrorCode::kBadField, "rope_layout",
+                fmt::format("rope_layout = '{}' but the model computes RoPE {}: its q_proj/k_proj rows would be "
+                            "read in the wrong order and every other check would pass (permute them to the "
+                            "model's layout before sending)",
+                            policy::RopeLayoutName(*m.manifest.rope_layout), policy::RopeLayoutName(rope_layout)));
       return false;
     }
     std::map<std::string, size_t> seen;

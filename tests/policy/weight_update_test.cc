@@ -668,6 +668,50 @@ TEST_F(WeightUpdateStagingTest, EmptyManifestIsRefused) {
   ExpectPoisonedThenRecovers(status);
 }
 
+TEST_F(WeightUpdateStagingTest, DeclaredRopeLayoutMustBeTheModels) {
+  const std::vector<SourceTensor> sources = RandomSources(staging_.params(), rng_);
+  UpdateManifest manifest = ManifestFor(5, sources);
+  manifest.rope_layout = RopeLayout::kInterleaved;
+  // The staging was not told the model's layout: a declared one cannot be checked.
+  UpdateStatus status = staging_.Begin(manifest, 3);
+  EXPECT_THAT(status.error(), AllOf(HasSubstr("rope_layout interleaved is declared"), HasSubstr("cannot be checked")));
+  ExpectPoisonedThenRecovers(status);  // an undeclared layout is not checked
+
+  staging_.set_model_rope_layout(RopeLayout::kInterleaved);
+  manifest = ManifestFor(7, sources);
+  manifest.rope_layout = RopeLayout::kHalfSplit;
+  status = staging_.Begin(manifest, 5);
+  EXPECT_THAT(status.error(), AllOf(HasSubstr("rope_layout half_split, but the model computes RoPE interleaved"),
+                                    HasSubstr("q_proj/k_proj rows")));
+  ExpectPoisonedThenRecovers(status, 5);
+
+  manifest = ManifestFor(9, sources);
+  manifest.rope_layout = RopeLayout::kInterleaved;
+  ASSERT_TRUE(staging_.Begin(manifest, 7).ok());
+  ASSERT_NO_FATAL_FAILURE(WriteAll(staging_, RandomChunks(sources, rng_, 8)));
+  const UpdateStatus verified = staging_.Verify();
+  ASSERT_TRUE(verified.ok()) << verified.error();
+  ASSERT_NO_FATAL_FAILURE(ExpectVerifiedEquals(staging_, sources));
+  staging_.Finish();
+
+  staging_.set_model_rope_layout(RopeLayout::kHalfSplit);  // a Hugging Face checkpoint's model
+  manifest = ManifestFor(11, sources);
+  manifest.rope_layout = RopeLayout::kInterleaved;
+  status = staging_.Begin(manifest, 9);
+  EXPECT_THAT(status.error(), HasSubstr("rope_layout interleaved, but the model computes RoPE half_split"));
+  ExpectPoisonedThenRecovers(status, 9);
+}
+
+TEST(RopeLayoutTest, NamesRoundTripAndOthersAreRefused) {
+  for (RopeLayout layout : {RopeLayout::kInterleaved, RopeLayout::kHalfSplit}) {
+    EXPECT_EQ(ParseRopeLayout(RopeLayoutName(layout)), layout);
+  }
+  EXPECT_STREQ(RopeLayoutName(RopeLayout::kHalfSplit), "half_split");
+  for (const char* bad : {"", "Interleaved", "half-split", "halfsplit", "interleaved "}) {
+    EXPECT_FALSE(ParseRopeLayout(bad).has_value()) << bad;
+  }
+}
+
 TEST_F(WeightUpdateStagingTest, OverlappingWritePoisonsAndNamesTensorAndOffset) {
   // Existing ranges [4, 8) and [12, 16) of model.norm.weight (24 bytes as fp32); each candidate
   // runs in a fresh transaction.

@@ -18,6 +18,7 @@
 #include <gtest/gtest.h>
 
 #include "policy/default_model.h"
+#include "policy/hf_loader.h"
 #include "rollout/engine.h"
 #include "tests/support/comparisons.h"
 #include "tests/support/model_oracles.h"
@@ -380,6 +381,36 @@ std::shared_ptr<policy::WeightUpdateStaging> VerifiedStaging(Engine& engine, con
   }
   EXPECT_TRUE(staging->Verify().ok());
   return staging;
+}
+
+TEST_F(PolicyVersionTest, AnEnginesStagingRefusesWeightsDeclaredInTheOtherRopeLayout) {
+  // The engine tells its staging the model's RoPE layout: llama2.c's interleaved for base_,
+  // half_split for the same model converted to Hugging Face's order.
+  const Checkpoint half_split = policy::PermuteForHalfSplitRope(base_);
+  for (const Checkpoint* model : {static_cast<const Checkpoint*>(&base_), &half_split}) {
+    Engine e(*model, config_);
+    const policy::RopeLayout own = model->config.rope_layout;
+    const policy::RopeLayout other =
+        own == policy::RopeLayout::kInterleaved ? policy::RopeLayout::kHalfSplit : policy::RopeLayout::kInterleaved;
+    auto staging = e.MakeStaging();
+    policy::UpdateManifest manifest;
+    manifest.version = 1;
+    for (const auto& [name, t] : model->weights) {
+      const size_t bytes = t.data.size() * sizeof(float);
+      manifest.tensors.push_back(
+          {name, policy::DType::kF32, t.shape, bytes, policy::TensorChecksum(t.data.data(), bytes)});
+    }
+    manifest.rope_layout = other;
+    const policy::UpdateStatus refused = staging->Begin(manifest, e.policy_version());
+    ASSERT_FALSE(refused.ok()) << policy::RopeLayoutName(own);
+    EXPECT_NE(refused.error().find(std::string("the model computes RoPE ") + policy::RopeLayoutName(own)),
+              std::string::npos)
+        << refused.error();
+    manifest.rope_layout = own;
+    const policy::UpdateStatus begun = staging->Begin(manifest, e.policy_version());
+    EXPECT_TRUE(begun.ok()) << begun.error();
+    staging->Abort();
+  }
 }
 
 TEST_F(PolicyVersionTest, AnUpdateStaleByTheTimeItIsAppliedIsRefusedWithoutTouchingInFlightSequences) {

@@ -124,6 +124,11 @@ TEST(ProtocolTest, UpdateMessagesRoundTrip) {
   EXPECT_EQ(rb.manifest.tensors[0].num_bytes, 128u);
   EXPECT_EQ(rb.manifest.tensors[0].checksum, 0x1234567890abcdefULL);
   EXPECT_EQ(rb.manifest.tensors[1].shape, (std::vector<int64_t>{259, 64}));
+  EXPECT_FALSE(rb.manifest.rope_layout.has_value());  // not declared: not sent, not checked
+  for (policy::RopeLayout layout : {policy::RopeLayout::kInterleaved, policy::RopeLayout::kHalfSplit}) {
+    b.manifest.rope_layout = layout;
+    EXPECT_EQ(RoundTripClient(b).manifest.rope_layout, layout);
+  }
 
   const UpdateChunkMsg c = RoundTripClient(UpdateChunkMsg{"c1", "u", "model.norm.weight", 1ULL << 40});
   EXPECT_EQ(c.name, "model.norm.weight");
@@ -367,6 +372,10 @@ std::vector<BadCase> BadCases() {
   add("begin version negative", ValidBegin().Set("version", Value::Int(-2)), ErrorCode::kBadField, "version");
   add("begin bad mode", ValidBegin().Set("mode", Value::Str("sideways")), ErrorCode::kBadField, "mode");
   add("begin partial a string", ValidBegin().Set("partial", Value::Str("yes")), ErrorCode::kBadField, "partial");
+  add("begin unknown rope_layout", ValidBegin().Set("rope_layout", Value::Str("half-split")), ErrorCode::kBadField,
+      "rope_layout");
+  add("begin empty rope_layout", ValidBegin().Set("rope_layout", Value::Str("")), ErrorCode::kBadField, "rope_layout");
+  add("begin rope_layout an int", ValidBegin().Set("rope_layout", Value::Int(1)), ErrorCode::kBadField, "rope_layout");
   add("begin tensors a map", ValidBegin().Set("tensors", Value::Map({})), ErrorCode::kBadField, "tensors");
   v = ValidBegin();
   v.At("tensors").items.push_back(Value::Int(3));

@@ -1230,6 +1230,41 @@ TEST(WorkerServerTest, UpdateFailuresAboutOneTensorNameItInTheirTensorField) {
   EXPECT_EQ(trainer->Health().policy_version, 0u);
 }
 
+TEST(WorkerServerTest, AnUpdateDeclaringAnotherRopeLayoutThanTheModelsIsRefusedBeforeAnyChunk) {
+  // q_proj/k_proj rows in the other RoPE order have the right shapes and consistent checksums:
+  // only the declared layout tells the worker (the default model is llama2.c's: interleaved).
+  WorkerHarness worker;
+  auto trainer = Connect(worker.endpoint());
+  const policy::WeightMap& weights = NewPolicy().weights;
+  PushOptions options;
+  options.rope_layout = policy::RopeLayout::kHalfSplit;
+  try {
+    (void)trainer->PushWeights(weights, 1, options);
+    ADD_FAILURE() << "a push declared half_split was applied by an interleaved model";
+  } catch (const WorkerError& e) {
+    EXPECT_EQ(e.error().code, ErrorCode::kBadField);
+    EXPECT_EQ(e.error().field, "rope_layout");
+    EXPECT_NE(e.error().message.find("rope_layout = 'half_split' but the model computes RoPE interleaved"),
+              std::string::npos)
+        << e.error().message;
+  }
+  HealthMsg health = trainer->Health();
+  EXPECT_EQ(health.policy_version, 0u);
+  EXPECT_EQ(health.update_version, 0u);  // no update was opened
+  // The same begin by hand: refused, and the next begin (no abort) is not busy.
+  UpdateBeginMsg begin = FullBegin("b1", "u1", weights, 1);
+  begin.manifest.rope_layout = policy::RopeLayout::kHalfSplit;
+  trainer->Send(begin);
+  const ErrorMsg refused = NextAs<ErrorMsg>(*trainer);
+  EXPECT_EQ(refused.code, ErrorCode::kBadField);
+  EXPECT_EQ(refused.field, "rope_layout");
+  options.rope_layout = policy::RopeLayout::kInterleaved;
+  EXPECT_EQ(trainer->PushWeights(weights, 1, options).version, 1u);
+  options.rope_layout.reset();  // undeclared: not checked
+  EXPECT_EQ(trainer->PushWeights(weights, 2, options).version, 2u);
+  EXPECT_EQ(trainer->Health().policy_version, 2u);
+}
+
 TEST(WorkerServerTest, ANonFiniteWeightFailsTheCommitEvenWithoutApply) {
   // Phase one of a two-phase push ("verified") promises that update_apply will be accepted: a
   // NaN or an infinity, which the engine refuses, must fail the commit itself, naming the tensor

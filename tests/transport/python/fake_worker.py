@@ -99,6 +99,7 @@ class FakeWorker:
         self.fail_verify = False
         self.verify_delay_s = 0.0
         self.busy_begins = 0  # answer this many update_begin messages with error busy
+        self.rope_layout = "interleaved"  # health's model.rope_layout; None: not reported
         # "update_chunk", "update_commit" or "update_apply": at the first such message of an open
         # update, act as a worker that shuts down: send the notice (error shutting_down, field
         # update_id, the begin's id), drop the update, and answer no update message after it.
@@ -209,7 +210,8 @@ class FakeWorker:
                      "paused": self.paused,
                      "protocol_version": 1,
                      "model": {"vocab_size": self.vocab_size, "max_seq_len": 32, "dim": 8,
-                               "n_layers": 1}}]
+                               "n_layers": 1,
+                               **({"rope_layout": self.rope_layout} if self.rope_layout else {})}}]
         if type_ == "stats":
             return [{"v": 1, "type": "stats", "id": h["id"], "num_running": 0,
                      "policy_version": self.version}]

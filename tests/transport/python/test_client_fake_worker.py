@@ -557,6 +557,22 @@ class PushWeightsTest(FakeWorkerTestCase):
             self.assertIs(commit["apply"], False)
         emb = self.workers[0].weights["model.embed_tokens.weight"]
         np.testing.assert_array_equal(emb, weights["model.embed_tokens.weight"].float().numpy())
+        for worker in self.workers:  # not declared: not sent
+            self.assertNotIn("rope_layout", worker.received[0][1])
+
+    def test_a_declared_rope_layout_travels_in_update_begin(self):
+        # The client checks it against health before sending, and sends it in update_begin so
+        # that the worker checks it again (a worker restarted on another checkpoint in between).
+        self.client.push_weights(make_weights(1), version=1, rope_layout="interleaved")
+        for worker in self.workers:
+            begins = [h for t, h in worker.received if t == "update_begin"]
+            self.assertEqual(len(begins), 1)
+            self.assertEqual(begins[0]["rope_layout"], "interleaved")
+            self.assertEqual(worker.version, 1)
+        self.workers[1].rope_layout = None  # an older worker: cannot be checked, nothing sent
+        with self.assertRaisesRegex(ValueError, "names no rope_layout"):
+            self.client.push_weights(make_weights(2), version=2, rope_layout="interleaved")
+        self.assertEqual([w.version for w in self.workers], [1, 1])
 
     def test_a_busy_worker_is_asked_again_for_up_to_busy_wait_s(self):
         busy = self.workers[0]

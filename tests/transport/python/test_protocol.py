@@ -156,6 +156,9 @@ class EncodingMatchesDocTest(unittest.TestCase):
             "mode": "restart", "partial": True,
             "tensors": [{"name": "model.norm.weight", "dtype": "bfloat16", "shape": [64],
                          "num_bytes": 128, "checksum": 7}]})
+        declared = protocol.make_update_begin("u1", 5, [entry], id_="i0", rope_layout="half_split")
+        self.assertEqual(declared["rope_layout"], "half_split")
+        self.assert_documented(declared, "Weight updates")
         chunk = protocol.make_update_chunk("u1", "model.norm.weight", 64, "i1")
         self.assertEqual(chunk, {"v": 1, "type": "update_chunk", "id": "i1", "update_id": "u1",
                                  "name": "model.norm.weight", "offset": 64})

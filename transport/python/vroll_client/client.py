@@ -1012,7 +1012,9 @@ class VrollClient:
             ``"interleaved"`` (llama2.c order, e.g. examples/python/vroll_llama.py) or
             ``"half_split"`` (Hugging Face order); when given, every worker's health must report
             the same (a worker that loaded the other kind of checkpoint would compute garbage
-            from these weights, passing every other check), else ValueError, nothing sent.
+            from these weights, passing every other check), else ValueError, nothing sent; it is
+            also sent in update_begin, where the worker checks it again (bad_field
+            ``rope_layout``).
         Returns:
           list[UpdateAck] with stage ``applied``, version == ``version`` and (full updates)
           weights_checksum == weights_checksum(named_tensors); for a worker whose model ties
@@ -1073,7 +1075,8 @@ class VrollClient:
         # that began are sent the same update_begin again (a retry: acked "begun", nothing
         # changes) every keep-alive period, so that their update_timeout_ms does not end it.
         def make_begin(id_: str) -> Dict[str, Any]:
-            return protocol.make_update_begin(update_id, version, manifest, mode, partial, id_)
+            return protocol.make_update_begin(update_id, version, manifest, mode, partial, id_,
+                                              rope_layout)
 
         busy_deadline = time.monotonic() + max(0.0, busy_wait_s)
         backoff_s = 0.05
