@@ -445,7 +445,13 @@ struct WorkerServer::Impl {
         }
       }
     }
-    log.info("worker on {} stopped serving", bound_endpoint);
+    if (replies_dropped > 0) {  // held-back drops included: the once-a-second gate may not have opened
+      log.warn("worker on {} stopped serving; {} replies were dropped at full queues in all (send_high_water_mark "
+               "= {}, --max-queued-replies), {} of them since the last warning",
+               bound_endpoint, replies_dropped, config.send_high_water_mark, replies_dropped - replies_dropped_warned);
+    } else {
+      log.info("worker on {} stopped serving", bound_endpoint);
+    }
   }
 
   long PollTimeoutMs() const {

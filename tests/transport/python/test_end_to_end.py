@@ -607,6 +607,12 @@ class ReplyQueueTest(unittest.TestCase):
                 with VrollClient([endpoint], timeout_s=60) as client:
                     outs = client.generate([[1, 2, 3]], SamplingParams(max_tokens=5), n=2)
                     self.assertEqual([len(c.token_ids) for c in outs[0].outputs], [5, 5])
+                worker.stop()
+                # The total at exit, drops after the last warning included.
+                final = [l for l in worker.log().splitlines() if "dropped at full queues in all" in l]
+                self.assertEqual(len(final), 1, worker.log())
+                total = int(final[0].split("; ")[1].split()[0])
+                self.assertGreaterEqual(total, counts[-1], final)
             finally:
                 ctx.destroy(linger=0)
                 worker.stop()
