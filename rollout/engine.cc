@@ -604,7 +604,7 @@ SubmitStatus Engine::SubmitUpdate(policy::WeightUpdateStaging* staging, InFlight
 }
 
 UpdateResult Engine::UpdateWeights(const policy::WeightMap& weights, PolicyVersion version, InFlightMode mode,
-                                   bool partial) {
+                                   bool partial, std::optional<policy::RopeLayout> rope_layout) {
   // Counted while it runs, so that a Generate stepping on another caller's thread does not take
   // the idle engine for one that will never reach its min_policy_version (see Generate).
   struct InProgress {
@@ -629,6 +629,7 @@ UpdateResult Engine::UpdateWeights(const policy::WeightMap& weights, PolicyVersi
   policy::UpdateManifest manifest;
   manifest.version = version;
   manifest.partial = partial;
+  manifest.rope_layout = rope_layout;
   for (const auto& [name, tensor] : weights) {
     const size_t bytes = tensor.data.size() * sizeof(float);
     manifest.tensors.push_back(

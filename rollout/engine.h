@@ -231,8 +231,12 @@ class Engine {
   /// Convenience for in-process trainers and tests: stages `weights` (fp32, canonical names;
   /// all parameters unless `partial`) as version `version`, verifies, submits and waits for the
   /// acknowledgement (running steps on this thread when the engine thread is not started).
+  /// `rope_layout`: the RoPE layout of the q_proj/k_proj rows in `weights` when the caller knows
+  /// it (policy::UpdateManifest::rope_layout): another layout than the model's is refused
+  /// (UpdateResult::error names it); nullopt: not checked.
   UpdateResult UpdateWeights(const policy::WeightMap& weights, PolicyVersion version,
-                             InFlightMode mode = InFlightMode::kDrain, bool partial = false);
+                             InFlightMode mode = InFlightMode::kDrain, bool partial = false,
+                             std::optional<policy::RopeLayout> rope_layout = std::nullopt);
 
   /// Pause: no steps run (pending updates still apply at the safe point). Resume: steps again.
   void Pause();

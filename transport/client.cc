@@ -430,6 +430,22 @@ UpdateAckMsg Client::PushWeights(const std::vector<TensorBytes>& tensors, Policy
   auto ms_since = [](Clock::time_point t) {
     return std::chrono::duration<double, std::milli>(Clock::now() - t).count();
   };
+  if (options.rope_layout) {
+    // Checked here too: a worker older than update_begin's rope_layout ignores it.
+    const std::string declared = policy::RopeLayoutName(*options.rope_layout);
+    const std::string worker = Health().model.rope_layout;
+    if (worker != declared) {
+      throw WorkerError(ErrorMsg{
+          prefix + "begin", ErrorCode::kBadField, "rope_layout",
+          worker.empty() ? fmt::format("rope_layout = '{}' cannot be checked: the worker's health reports no RoPE "
+                                       "layout (a worker older than the field); nothing sent",
+                                       declared)
+                         : fmt::format("rope_layout = '{}' but the worker's model computes RoPE {}: its q_proj/k_proj "
+                                       "rows would be read in the wrong order; nothing sent",
+                                       declared, worker),
+          ""});
+    }
+  }
   PushTimings times;
   Clock::time_point t0 = Clock::now();
 

@@ -73,11 +73,6 @@ struct TensorBytes {
 struct PushOptions {
   rollout::InFlightMode mode = rollout::InFlightMode::kDrain;
   bool partial = false;                      ///< true: the tensors may be a subset of the model's
-  /// The RoPE layout the q_proj/k_proj rows of the tensors are in (interleaved: llama2.c/Meta;
-  /// half_split: Hugging Face). Sent in update_begin: a worker whose model computes the other
-  /// layout refuses the update (WorkerError bad_field "rope_layout") before any chunk is sent.
-  /// nullopt: not declared, not checked (rows in the wrong order would pass every other check).
-  std::optional<policy::RopeLayout> rope_layout;
   size_t chunk_bytes = size_t{4} << 20;      ///< bytes per update_chunk frame (see docs/PROTOCOL.md, Limits)
   /// false: stop after verification (ack stage "verified"), for a two-phase push to several
   /// workers; then ApplyUpdate(update_id) on each.
@@ -87,6 +82,13 @@ struct PushOptions {
   /// one whose trainer just crashed and that the worker has not yet found gone) is sent again,
   /// with a back-off from 50 ms to 1 s, for up to this long; 0: the WorkerError is thrown at once.
   int64_t busy_wait_ms = 5000;
+  /// The RoPE layout the q_proj/k_proj rows of the tensors are in (interleaved: llama2.c/Meta;
+  /// half_split: Hugging Face). PushWeights first asks the worker's health for its model's layout
+  /// and throws WorkerError (code bad_field, field "rope_layout"), nothing sent, when it differs or
+  /// is not reported (a worker older than the field, which could not check it); the layout then
+  /// travels in update_begin, where the worker checks it again. nullopt: not declared, not checked
+  /// (rows in the wrong order would pass every other check and compute garbage).
+  std::optional<policy::RopeLayout> rope_layout;
 };
 
 /// Where the time of one PushWeights call went, milliseconds.

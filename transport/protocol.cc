@@ -395,10 +395,18 @@ GenerateMsg ParseGenerate(const MapReader& m, std::string id) {
   return msg;
 }
 
+/// 's' quoted for an error message, or its first 64 bytes and its length when longer: a bad value
+/// may be megabytes long, and the reply need not echo it all.
+std::string Quoted(const std::string& s) {
+  constexpr size_t kMax = 64;
+  if (s.size() <= kMax) return fmt::format("'{}'", s);
+  return fmt::format("'{}...' ({} bytes)", s.substr(0, kMax), s.size());
+}
+
 rollout::InFlightMode ParseMode(const MapReader& m) {
   const std::string name = m.OptStr("mode", "drain");
   std::optional<rollout::InFlightMode> mode = rollout::ParseInFlightMode(name);
-  if (!mode) BadField("mode", fmt::format("= '{}' must be drain, abort, restart or continue", name));
+  if (!mode) BadField("mode", fmt::format("= {} must be drain, abort, restart or continue", Quoted(name)));
   return *mode;
 }
 
@@ -412,7 +420,9 @@ UpdateBeginMsg ParseUpdateBegin(const MapReader& m, std::string id) {
   if (m.Find("rope_layout") != nullptr) {
     const std::string layout = m.Str("rope_layout");
     msg.manifest.rope_layout = policy::ParseRopeLayout(layout);
-    if (!msg.manifest.rope_layout) BadField("rope_layout", fmt::format("= '{}' must be interleaved or half_split", layout));
+    if (!msg.manifest.rope_layout) {
+      BadField("rope_layout", fmt::format("= {} must be interleaved or half_split", Quoted(layout)));
+    }
   }
   const msgpack::object_array& tensors = ToArray(m.Required("tensors"), "tensors");
   msg.manifest.tensors.reserve(tensors.size);

@@ -84,7 +84,7 @@ struct UpdateBeginMsg {
   std::string id;
   std::string update_id;
   rollout::InFlightMode mode = rollout::InFlightMode::kDrain;
-  policy::UpdateManifest manifest;  ///< version, tensors, partial
+  policy::UpdateManifest manifest;  ///< version, tensors, partial, rope_layout
 };
 
 /// "update_chunk": bytes [offset, offset + frame size) of tensor `name`; the bytes are frame 1.

@@ -410,6 +410,13 @@ TEST_F(PolicyVersionTest, AnEnginesStagingRefusesWeightsDeclaredInTheOtherRopeLa
     const policy::UpdateStatus begun = staging->Begin(manifest, e.policy_version());
     EXPECT_TRUE(begun.ok()) << begun.error();
     staging->Abort();
+    // UpdateWeights, the in-process trainer's call, declares it the same way.
+    const UpdateResult refused_update = e.UpdateWeights(model->weights, 1, InFlightMode::kDrain, false, other);
+    EXPECT_FALSE(refused_update.ok);
+    EXPECT_NE(refused_update.error.find("rope_layout"), std::string::npos) << refused_update.error;
+    EXPECT_EQ(e.policy_version(), 0u);
+    EXPECT_TRUE(e.UpdateWeights(model->weights, 1, InFlightMode::kDrain, false, own).ok);
+    EXPECT_EQ(e.policy_version(), 1u);
   }
 }
 

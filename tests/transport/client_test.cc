@@ -215,6 +215,89 @@ class ShuttingDownWorker : public FakeRouter {
   std::vector<std::string> received_;
 };
 
+/// A ROUTER whose health reports the RoPE layout `rope_layout` ("" as a worker older than the
+/// field) and that answers update_begin `busy`; it records the types of the messages it receives
+/// and each update_begin's declared layout.
+class LayoutWorker : public FakeRouter {
+ public:
+  explicit LayoutWorker(std::string rope_layout) : rope_layout_(std::move(rope_layout)) { Start(); }
+  ~LayoutWorker() override { Stop(); }
+  std::vector<std::string> received() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return received_;
+  }
+  std::vector<std::optional<policy::RopeLayout>> declared() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return declared_;
+  }
+
+ private:
+  std::optional<WorkerMessage> Handle(const ClientMessage& message) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    received_.push_back(TypeName(message));
+    if (const auto* control = std::get_if<ControlMsg>(&message); control != nullptr && control->kind == ControlKind::kHealth) {
+      return HealthMsg{control->id, true, 0, ModelInfo{512, 512, 64, 5, 512, rope_layout_}, kProtocolVersion};
+    }
+    if (const auto* begin = std::get_if<UpdateBeginMsg>(&message)) {
+      declared_.push_back(begin->manifest.rope_layout);
+      return ErrorMsg{begin->id, ErrorCode::kBusy, "", "another update is open", ""};
+    }
+    return std::nullopt;
+  }
+
+  const std::string rope_layout_;
+  std::mutex mu_;
+  std::vector<std::string> received_;
+  std::vector<std::optional<policy::RopeLayout>> declared_;
+};
+
+// A declared RoPE layout is checked against the worker's health before anything is sent: a
+// worker older than update_begin's rope_layout would ignore it there.
+TEST(ClientTest, ADeclaredRopeLayoutIsCheckedAgainstHealthBeforeTheBegin) {
+  std::vector<float> values(16, 0.5f);
+  const std::vector<TensorBytes> tensors = {
+      {"model.norm.weight", policy::DType::kF32, {16}, values.data(), values.size() * sizeof(float)}};
+  PushOptions push;
+  push.busy_wait_ms = 0;
+  push.partial = true;
+  push.rope_layout = policy::RopeLayout::kInterleaved;
+  for (const std::string& reported : {std::string(), std::string("half_split")}) {
+    LayoutWorker worker(reported);
+    Client client;
+    client.Connect(worker.endpoint());
+    try {
+      (void)client.PushWeights(tensors, 1, push);
+      ADD_FAILURE() << "a push declared interleaved went to a worker reporting '" << reported << "'";
+    } catch (const WorkerError& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kBadField);
+      EXPECT_EQ(e.field(), "rope_layout");
+      EXPECT_NE(e.error().message.find(reported.empty() ? "cannot be checked" : "computes RoPE half_split"),
+                std::string::npos)
+          << e.error().message;
+      EXPECT_NE(e.error().message.find("nothing sent"), std::string::npos) << e.error().message;
+    }
+    EXPECT_EQ(worker.received(), std::vector<std::string>{"health"});
+  }
+  LayoutWorker worker("interleaved");
+  Client client;
+  client.Connect(worker.endpoint());
+  try {
+    (void)client.PushWeights(tensors, 1, push);
+    ADD_FAILURE() << "the fake worker's busy was not thrown";
+  } catch (const WorkerError& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kBusy);
+  }
+  EXPECT_EQ(worker.received(), (std::vector<std::string>{"health", "update_begin"}));
+  EXPECT_EQ(worker.declared(), std::vector<std::optional<policy::RopeLayout>>{policy::RopeLayout::kInterleaved});
+  push.rope_layout.reset();  // undeclared: no health asked, nothing declared
+  LayoutWorker unchecked("half_split");
+  Client other;
+  other.Connect(unchecked.endpoint());
+  EXPECT_THROW((void)other.PushWeights(tensors, 1, push), WorkerError);
+  EXPECT_EQ(unchecked.received(), std::vector<std::string>{"update_begin"});
+  EXPECT_EQ(unchecked.declared(), std::vector<std::optional<policy::RopeLayout>>{std::nullopt});
+}
+
 // A worker that shuts down mid-push aborts the update and says so; PushWeights ends at once with
 // that error (not after timeout_ms, 30 s here) and sends no update_abort for an update that is gone.
 TEST(ClientTest, APushEndsAtOnceWhenTheWorkerShutsDown) {

@@ -461,6 +461,24 @@ TEST(ProtocolTest, EveryBadInputClassNamesItsCodeAndField) {
   }
 }
 
+TEST(ProtocolTest, AMegabyteLongBadNameIsQuotedInPartOnly) {
+  // The error reply names the field and quotes the start of the bad value, not a megabyte of it.
+  const std::string long_value = "interleaved" + std::string(1 << 20, 'x');
+  for (const char* field : {"rope_layout", "mode"}) {
+    const std::string bytes = ValidBegin().Set(field, Value::Str(long_value)).Bytes();
+    Decoded<ClientMessage> d = DecodeClientMessage(bytes.data(), bytes.size());
+    ASSERT_FALSE(d.ok()) << field;
+    EXPECT_EQ(d.error.field, field);
+    EXPECT_LT(d.error.message.size(), 256u) << field;
+    EXPECT_NE(d.error.message.find("'interleavedxxx"), std::string::npos) << d.error.message;
+    EXPECT_NE(d.error.message.find(fmt::format("({} bytes)", long_value.size())), std::string::npos)
+        << d.error.message;
+  }
+  const std::string bytes = ValidBegin().Set("rope_layout", Value::Str("half-split")).Bytes();
+  EXPECT_NE(DecodeClientMessage(bytes.data(), bytes.size()).error.message.find("'half-split' must be"),
+            std::string::npos);  // a short one whole
+}
+
 TEST(ProtocolTest, AHeaderThatIsNotAMapIsSaidToBeOneWhateverFollowsIt) {
   // Bytes after a header that is not a map are not "trailing bytes after the map": the message
   // names what the header is. Only a whole map followed by more bytes has trailing bytes.

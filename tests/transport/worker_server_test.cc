@@ -1244,7 +1244,8 @@ TEST(WorkerServerTest, AnUpdateDeclaringAnotherRopeLayoutThanTheModelsIsRefusedB
   } catch (const WorkerError& e) {
     EXPECT_EQ(e.error().code, ErrorCode::kBadField);
     EXPECT_EQ(e.error().field, "rope_layout");
-    EXPECT_NE(e.error().message.find("rope_layout = 'half_split' but the model computes RoPE interleaved"),
+    // The client checked the worker's health first (nothing sent); the worker's own check is below.
+    EXPECT_NE(e.error().message.find("rope_layout = 'half_split' but the worker's model computes RoPE interleaved"),
               std::string::npos)
         << e.error().message;
   }
@@ -1258,6 +1259,9 @@ TEST(WorkerServerTest, AnUpdateDeclaringAnotherRopeLayoutThanTheModelsIsRefusedB
   const ErrorMsg refused = NextAs<ErrorMsg>(*trainer);
   EXPECT_EQ(refused.code, ErrorCode::kBadField);
   EXPECT_EQ(refused.field, "rope_layout");
+  EXPECT_NE(refused.message.find("rope_layout = 'half_split' but the model computes RoPE interleaved"),
+            std::string::npos)
+      << refused.message;
   options.rope_layout = policy::RopeLayout::kInterleaved;
   EXPECT_EQ(trainer->PushWeights(weights, 1, options).version, 1u);
   options.rope_layout.reset();  // undeclared: not checked

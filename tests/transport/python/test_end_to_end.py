@@ -327,6 +327,18 @@ class TwoWorkersTest(unittest.TestCase):
         self.assertEqual(self.versions(), before)
         with self.assertRaises(ValueError):
             self.client.push_weights(weights, version=max(before) + 1, rope_layout="rotate_half")
+        # The workers check it again in update_begin (bad_field rope_layout, no update opened):
+        # seen here with the client's own health check switched off.
+        unchecked = VrollClient(self.endpoints, timeout_s=60)
+        try:
+            unchecked._check_rope_layout = lambda workers, layout: None
+            with self.assertRaises(WeightUpdateError) as cm:
+                unchecked.push_weights(weights, version=max(before) + 1, rope_layout="half_split")
+            self.assertIn("rope_layout", str(cm.exception))
+            self.assertIn("the model computes RoPE interleaved", str(cm.exception))
+        finally:
+            unchecked.close()
+        self.assertEqual(self.versions(), before)
         acks = self.client.push_weights(weights, version=max(before) + 1, rope_layout="interleaved")
         self.assertEqual([a.version for a in acks], [max(before) + 1] * 2)
 
