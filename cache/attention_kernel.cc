@@ -280,13 +280,19 @@ __attribute__((always_inline)) inline Vec KeyDot(const Vec* qv, const float* k) 
   return a;
 }
 
+/// Cache lines [first, first + 64 * count) (addresses) to prefetch.
+struct KeyLines {
+  uintptr_t first = 0;
+  int64_t count = 0;
+};
+
 /// Scores of keys [j0, j0 + 16) of one row, every head: sc[h * ld + j] = scale * q[h] . k_j
 /// (keys of all heads read together, 16 at a time; kD a multiple of 16).
 template <int kD, bool kNarrow>
 __attribute__((always_inline)) inline void ScoreChunk(const float* q, int n_heads, int group, int j0, int num_keys,
                                                       int block_size, const int32_t* table, const float* k_base,
                                                       int64_t block_stride, int64_t token_stride, float scale,
-                                                      float* sc, int64_t ld, const float* prefetch = nullptr) {
+                                                      float* sc, int64_t ld, KeyLines prefetch = {}) {
   constexpr int kChunks = kD / 16;
   const int n = std::min(16, num_keys - j0);
   const float* kp[16];
@@ -299,16 +305,18 @@ __attribute__((always_inline)) inline void ScoreChunk(const float* q, int n_head
       kp[i] = k_base + table[j / block_size] * block_stride + (j % block_size) * token_stride;
     }
   }
-  // `prefetch`: the keys of the chunk scored next (16 x token_stride floats, contiguous), or null.
-  // Their lines are prefetched, a share with each head's dot products: blocks lie anywhere in the
-  // pool, so the hardware prefetchers lose the stream at every block (Intel Xeon VM, 2026-12-02,
-  // 15M shape, batch 64: attention time -7%, median of 8 alternating runs; prefetching the next
-  // block's values the same way changed nothing measurable and is not done). Same results.
-  const int64_t lines = token_stride, per_head = (lines + n_heads - 1) / n_heads;
+  // `prefetch`: the lines of the keys of the chunk scored next (none: count 0), prefetched a share
+  // with each head's dot products: blocks lie anywhere in the pool, so the hardware prefetchers
+  // lose the stream at every block (Intel Xeon VM, 2026-12-02, 15M shape, batch 64: attention
+  // time -7%, median of 8 alternating runs; prefetching the next block's values the same way
+  // changed nothing measurable and is not done). Prefetches only: the same results.
   for (int h = 0; h < n_heads; ++h) {
-    if (prefetch != nullptr) {
-      const int64_t l1 = std::min(lines, (h + 1) * per_head);
-      for (int64_t l = h * per_head; l < l1; ++l) __builtin_prefetch(prefetch + l * 16);
+    if (prefetch.count > 0) {
+      const int64_t per_head = (prefetch.count + n_heads - 1) / n_heads;
+      const int64_t l1 = std::min(prefetch.count, (h + 1) * per_head);
+      for (int64_t l = h * per_head; l < l1; ++l) {
+        __builtin_prefetch(reinterpret_cast<const void*>(prefetch.first + static_cast<uintptr_t>(l) * 64));
+      }
     }
     const int64_t off = int64_t{h / group} * kD;
     Vec qv[kChunks];
@@ -462,13 +470,21 @@ __attribute__((always_inline)) inline void PvBlock(int n_heads, int group, int b
   }
 }
 
-/// Where the 16 keys [j, j + 16) of row r start (contiguous when block_size is a multiple of 16),
-/// for prefetching: null past the rows or the row's keys, or with other block sizes.
-__attribute__((always_inline)) inline const float* KeyChunkStart(const TokenRow* rows, int num_rows, int r, int j,
-                                                                 int block_size, const float* k_base,
-                                                                 int64_t block_stride, int64_t token_stride) {
-  if (block_size % 16 != 0 || r >= num_rows || j >= rows[r].num_keys) return nullptr;
-  return k_base + rows[r].table[j / block_size] * block_stride + (j % block_size) * token_stride;
+/// The cache lines holding the keys [j, min(j + 16, num_keys)) of row r (all kv heads; one block
+/// when j is a multiple of 16 and block_size of 16, as AttendTokens makes the chunks), for
+/// prefetching: none past the rows or the row's keys, or with other block sizes.
+__attribute__((always_inline)) inline KeyLines NextKeyLines(const TokenRow* rows, int num_rows, int r, int j,
+                                                            int block_size, int key_floats, const float* k_base,
+                                                            int64_t block_stride, int64_t token_stride) {
+  KeyLines lines;
+  if (block_size % 16 != 0 || j % 16 != 0 || r >= num_rows || j >= rows[r].num_keys) return lines;
+  const float* first = k_base + rows[r].table[j / block_size] * block_stride + (j % block_size) * token_stride;
+  const int count = std::min(16, rows[r].num_keys - j);
+  const uintptr_t begin = reinterpret_cast<uintptr_t>(first) & ~uintptr_t{63};
+  const uintptr_t end = reinterpret_cast<uintptr_t>(first + (count - 1) * token_stride + key_floats);
+  lines.first = begin;
+  lines.count = static_cast<int64_t>((end - begin + 63) / 64);
+  return lines;
 }
 
 /// AttendTokens for head_dim kD, a multiple of 16: the shared keys are visited chunk by chunk
@@ -489,13 +505,14 @@ __attribute__((always_inline)) inline void AttendTokensImpl(const TokenRow* rows
 #define VROLL_SCORE(r, j0, PF)                                                                                     \
   ScoreChunk<kD, kNarrow>(rows[r].q, n_heads, group, j0, rows[r].num_keys, block_size, rows[r].table, k_base, block_stride, \
                  token_stride, scale, scores + (r) * row_scores, ld, PF)
-#define VROLL_NEXT_KEYS(r, j) \
-  (kNarrow ? nullptr : KeyChunkStart(rows, num_rows, r, j, block_size, k_base, block_stride, token_stride))
+#define VROLL_NEXT_KEYS(r, j)                                                                             \
+  (kNarrow ? KeyLines{}                                                                                   \
+           : NextKeyLines(rows, num_rows, r, j, block_size, n_kv * kD, k_base, block_stride, token_stride))
 #define VROLL_PV_BLOCK(r, b)                                                                                      \
   PvBlock<kD, kNarrow>(n_heads, group, b, rows[r].num_keys, block_size, rows[r].table, v_base, block_stride, token_stride, \
               scores + (r) * row_scores, ld, rows[r].out)
   for (int j0 = 0; j0 < shared_keys; j0 += 16) {
-    for (int r = 0; r < num_rows; ++r) VROLL_SCORE(r, j0, r == 0 ? VROLL_NEXT_KEYS(0, j0 + 16) : nullptr);
+    for (int r = 0; r < num_rows; ++r) VROLL_SCORE(r, j0, r == 0 ? VROLL_NEXT_KEYS(0, j0 + 16) : KeyLines{});
   }
   for (int r = 0; r < num_rows; ++r) {
     for (int j0 = shared_keys; j0 < rows[r].num_keys; j0 += 16) {

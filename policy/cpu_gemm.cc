@@ -46,6 +46,19 @@ struct Prefetch {
   int64_t every = 1;
 };
 
+/// Row block b's share of the next tile's lines (`next`: the tile, or null): k steps [b * per_block,
+/// (b + 1) * per_block) of both panels, spread over the block's k steps.
+__attribute__((always_inline)) inline Prefetch PrefetchShare(const float* next, int64_t k, int64_t per_block,
+                                                             int64_t b) {
+  Prefetch p;
+  if (next == nullptr) return p;
+  const int64_t first = std::min(k, b * per_block);
+  p.line = next + first * kPanel;
+  p.count = std::min(k, first + per_block) - first;
+  p.every = p.count > 0 ? std::max<int64_t>(1, k / p.count) : 1;
+  return p;
+}
+
 /// acc[2 * i + p] = sum_kk x[i, kk] * panel_p[kk, :] for MR rows; prefetches `pf` meanwhile.
 template <int MR>
 __attribute__((always_inline)) inline void Tile(const float* x, int64_t k, const float* panel0, const float* panel1,
@@ -429,26 +442,19 @@ void LinearTilesPortable(const float* x, int64_t m, int64_t k, const float* pack
       const int64_t base = rows / blocks, extra = rows % blocks;
       // The next tile's 2 x k lines are prefetched spread over this tile's row blocks, not all
       // during the first: a decode step streams the weights from memory, and requests crowded
-      // into one block's time outrun the core's outstanding-miss limit, so the later lines came
-      // too late. Intel Xeon VM, 2026-12-02, 64 rows: a 128000 x 288 weight streamed from DRAM
-      // 83-87 -> 95-119 GFLOP/s on one core (3 runs each); in the engine (15M shape, batch 64,
-      // 8 alternating runs) the lm_head GEMM's time -6% and tokens/s +2% as medians of pairs,
-      // within that VM's run-to-run noise. Same bits: prefetches only move data.
+      // into one block's time came too late (our reading: more misses than the core keeps in
+      // flight; with one block, m <= 14, it prefetches as before). Intel Xeon VM, 2026-12-02,
+      // 64 rows: a 128000 x 288 weight streamed from DRAM 83-87 -> 95-119 GFLOP/s on one core
+      // (3 runs each); in the engine (15M shape, batch 64, 8 alternating runs) the lm_head
+      // GEMM's time -6% and tokens/s +2% as medians of pairs, within that VM's run-to-run noise.
+      // Same bits: prefetches only move data.
       const int64_t per_block = (k + blocks - 1) / blocks;
-      auto pfs = [&](int64_t b) {
-        Prefetch p;
-        if (next == nullptr) return p;
-        const int64_t first = std::min(k, b * per_block);
-        p.line = next + first * kPanel;
-        p.count = std::min(k, first + per_block) - first;
-        p.every = p.count > 0 ? std::max<int64_t>(1, k / p.count) : 1;
-        return p;
-      };
       for (int64_t b = 0, i = r0; b < blocks; ++b) {
         const int64_t len = base + (b < extra ? 1 : 0);
         switch (len) {
 #define VROLL_BLOCK(R) \
-  case R: Block<R>(x + i * k, k, tile, pfs(b), col0, n, bias, y + i * ldy, ldy, accumulate, \
+  case R: Block<R>(x + i * k, k, tile, PrefetchShare(next, k, per_block, b), col0, n, bias, y + i * ldy, ldy, \
+                   accumulate, \
                    stream); \
     break;
           VROLL_BLOCK(1) VROLL_BLOCK(2) VROLL_BLOCK(3) VROLL_BLOCK(4) VROLL_BLOCK(5) VROLL_BLOCK(6)
