@@ -280,11 +280,23 @@ __attribute__((always_inline)) inline Vec KeyDot(const Vec* qv, const float* k) 
   return a;
 }
 
-/// Cache lines [first, first + 64 * count) (addresses) to prefetch.
-struct KeyLines {
+/// Cache lines [first, first + 64 * count) (addresses) to prefetch: a chunk's keys or values.
+struct CacheLines {
   uintptr_t first = 0;
   int64_t count = 0;
 };
+
+/// Head h's share of `lines` (of n_heads shares), prefetched into L2 (PREFETCHT1): into L1
+/// (PREFETCHT0) they evicted the lines being scored and, on the AMD EPYC (Zen 4) VM, held the
+/// L1's few miss buffers; L2 tracks many more misses at once.
+__attribute__((always_inline)) inline void PrefetchShare(CacheLines lines, int h, int n_heads) {
+  if (lines.count <= 0) return;
+  const int64_t per_head = (lines.count + n_heads - 1) / n_heads;
+  const int64_t end = std::min(lines.count, (h + 1) * per_head);
+  for (int64_t l = h * per_head; l < end; ++l) {
+    __builtin_prefetch(reinterpret_cast<const void*>(lines.first + static_cast<uintptr_t>(l) * 64), 0, 2);
+  }
+}
 
 /// Scores of keys [j0, j0 + 16) of one row, every head: sc[h * ld + j] = scale * q[h] . k_j
 /// (keys of all heads read together, 16 at a time; kD a multiple of 16).
@@ -292,7 +304,8 @@ template <int kD, bool kNarrow>
 __attribute__((always_inline)) inline void ScoreChunk(const float* q, int n_heads, int group, int j0, int num_keys,
                                                       int block_size, const int32_t* table, const float* k_base,
                                                       int64_t block_stride, int64_t token_stride, float scale,
-                                                      float* sc, int64_t ld, KeyLines prefetch = {}) {
+                                                      float* sc, int64_t ld, CacheLines next_keys = {},
+                                                      CacheLines values = {}) {
   constexpr int kChunks = kD / 16;
   const int n = std::min(16, num_keys - j0);
   const float* kp[16];
@@ -305,19 +318,19 @@ __attribute__((always_inline)) inline void ScoreChunk(const float* q, int n_head
       kp[i] = k_base + table[j / block_size] * block_stride + (j % block_size) * token_stride;
     }
   }
-  // `prefetch`: the lines of the keys of the chunk scored next (none: count 0), prefetched a share
-  // with each head's dot products: blocks lie anywhere in the pool, so the hardware prefetchers
-  // lose the stream at every block (Intel Xeon VM, 2026-12-02, 15M shape, batch 64: attention
-  // time -7%, median of 8 alternating runs; prefetching the next block's values the same way
-  // changed nothing measurable and is not done). Prefetches only: the same results.
+  // Prefetched a share with each head's dot products (KV blocks lie anywhere in the pool, so the
+  // hardware prefetchers lose the stream at every block): `next_keys`, the lines of the keys of
+  // the chunk scored next, and `values`, those of this chunk's values, which p.v reads once the
+  // row is scored (from L2, or L3 for long rows, instead of from memory). None: count 0.
+  // Measured as the attention alone, the two builds alternating step by step in one process
+  // (15M shape, 64 rows of 17-144 keys, 6 layers, 2 threads): next keys into L1 only, as before,
+  // cost 1.00; values too (into L1) 0.96-0.99; both into L2 0.64-0.69 (AMD EPYC Zen 4 VM,
+  // 2026-12-02; rows of 2000 and 7000 keys 0.71 and 0.73, 30000 keys 0.99-1.03). Prefetching the
+  // values or the keys one chunk further ahead instead cost 5-8%. Prefetches only: the same
+  // results.
   for (int h = 0; h < n_heads; ++h) {
-    if (prefetch.count > 0) {
-      const int64_t per_head = (prefetch.count + n_heads - 1) / n_heads;
-      const int64_t l1 = std::min(prefetch.count, (h + 1) * per_head);
-      for (int64_t l = h * per_head; l < l1; ++l) {
-        __builtin_prefetch(reinterpret_cast<const void*>(prefetch.first + static_cast<uintptr_t>(l) * 64));
-      }
-    }
+    PrefetchShare(next_keys, h, n_heads);
+    PrefetchShare(values, h, n_heads);
     const int64_t off = int64_t{h / group} * kD;
     Vec qv[kChunks];
     for (int c = 0; c < kChunks; ++c) qv[c] = Load(q + h * kD + 16 * c);
@@ -470,15 +483,16 @@ __attribute__((always_inline)) inline void PvBlock(int n_heads, int group, int b
   }
 }
 
-/// The cache lines holding the keys [j, min(j + 16, num_keys)) of row r (all kv heads; one block
-/// when j is a multiple of 16 and block_size of 16, as AttendTokens makes the chunks), for
-/// prefetching: none past the rows or the row's keys, or with other block sizes.
-__attribute__((always_inline)) inline KeyLines NextKeyLines(const TokenRow* rows, int num_rows, int r, int j,
-                                                            int block_size, int key_floats, const float* k_base,
-                                                            int64_t block_stride, int64_t token_stride) {
-  KeyLines lines;
+/// The cache lines holding the keys (base k_base) or values (base v_base) of positions
+/// [j, min(j + 16, num_keys)) of row r (all kv heads; one block when j is a multiple of 16 and
+/// block_size of 16, as AttendTokens makes the chunks), for prefetching: none past the rows or the
+/// row's keys, or with other block sizes.
+__attribute__((always_inline)) inline CacheLines ChunkLines(const TokenRow* rows, int num_rows, int r, int j,
+                                                          int block_size, int key_floats, const float* base,
+                                                          int64_t block_stride, int64_t token_stride) {
+  CacheLines lines;
   if (block_size % 16 != 0 || j % 16 != 0 || r >= num_rows || j >= rows[r].num_keys) return lines;
-  const float* first = k_base + rows[r].table[j / block_size] * block_stride + (j % block_size) * token_stride;
+  const float* first = base + rows[r].table[j / block_size] * block_stride + (j % block_size) * token_stride;
   const int count = std::min(16, rows[r].num_keys - j);
   const uintptr_t begin = reinterpret_cast<uintptr_t>(first) & ~uintptr_t{63};
   const uintptr_t end = reinterpret_cast<uintptr_t>(first + (count - 1) * token_stride + key_floats);
@@ -502,22 +516,28 @@ __attribute__((always_inline)) inline void AttendTokensImpl(const TokenRow* rows
   const int64_t ld = max_keys, row_scores = int64_t{n_heads} * max_keys;
   // (No lambdas here: a lambda is a function of its own, compiled for the baseline ISA rather
   // than this clone's, unless inlined.)
-#define VROLL_SCORE(r, j0, PF)                                                                                     \
-  ScoreChunk<kD, kNarrow>(rows[r].q, n_heads, group, j0, rows[r].num_keys, block_size, rows[r].table, k_base, block_stride, \
-                 token_stride, scale, scores + (r) * row_scores, ld, PF)
-#define VROLL_NEXT_KEYS(r, j)                                                                             \
-  (kNarrow ? KeyLines{}                                                                                   \
-           : NextKeyLines(rows, num_rows, r, j, block_size, n_kv * kD, k_base, block_stride, token_stride))
+#define VROLL_SCORE(r, j0, NEXT_KEYS, VALUES)                                                                \
+  ScoreChunk<kD, kNarrow>(rows[r].q, n_heads, group, j0, rows[r].num_keys, block_size, rows[r].table, k_base,   \
+                          block_stride, token_stride, scale, scores + (r) * row_scores, ld, NEXT_KEYS, VALUES)
+  // The lines to prefetch (ScoreChunk): none with the narrow tiles (not measured on such CPUs).
+#define VROLL_LINES(base, r, j)                                                                                \
+  (kNarrow ? CacheLines{} : ChunkLines(rows, num_rows, r, j, block_size, n_kv * kD, base, block_stride, token_stride))
 #define VROLL_PV_BLOCK(r, b)                                                                                      \
   PvBlock<kD, kNarrow>(n_heads, group, b, rows[r].num_keys, block_size, rows[r].table, v_base, block_stride, token_stride, \
               scores + (r) * row_scores, ld, rows[r].out)
   for (int j0 = 0; j0 < shared_keys; j0 += 16) {
-    for (int r = 0; r < num_rows; ++r) VROLL_SCORE(r, j0, r == 0 ? VROLL_NEXT_KEYS(0, j0 + 16) : KeyLines{});
+    // Row 0 prefetches for all: the rows share these blocks.
+    for (int r = 0; r < num_rows; ++r) {
+      VROLL_SCORE(r, j0, r == 0 ? VROLL_LINES(k_base, 0, j0 + 16) : CacheLines{},
+                  r == 0 ? VROLL_LINES(v_base, 0, j0) : CacheLines{});
+    }
   }
   for (int r = 0; r < num_rows; ++r) {
     for (int j0 = shared_keys; j0 < rows[r].num_keys; j0 += 16) {
       // The keys scored next: this row's next chunk, else the next row's first unshared one.
-      VROLL_SCORE(r, j0, j0 + 16 < rows[r].num_keys ? VROLL_NEXT_KEYS(r, j0 + 16) : VROLL_NEXT_KEYS(r + 1, shared_keys));
+      VROLL_SCORE(r, j0,
+                  j0 + 16 < rows[r].num_keys ? VROLL_LINES(k_base, r, j0 + 16) : VROLL_LINES(k_base, r + 1, shared_keys),
+                  VROLL_LINES(v_base, r, j0));
     }
     for (int h = 0; h < n_heads; ++h) SoftmaxInPlace(scores + r * row_scores + h * ld, rows[r].num_keys);
   }
@@ -530,7 +550,7 @@ __attribute__((always_inline)) inline void AttendTokensImpl(const TokenRow* rows
     for (int b = shared_blocks; b < num_blocks; ++b) VROLL_PV_BLOCK(r, b);
   }
 #undef VROLL_SCORE
-#undef VROLL_NEXT_KEYS
+#undef VROLL_LINES
 #undef VROLL_PV_BLOCK
 }
 
