@@ -50,8 +50,24 @@ void Gemm(const float* x, int64_t m, int64_t k, const at::Tensor& packed, int64_
   // ~1M multiply-adds per task at least: waking an OpenMP worker costs tens of microseconds
   // (passive waits), more than a small GEMM (e.g. every GEMM of a 260K-parameter model).
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 20) / std::max<int64_t>(1, m * k * kernels::kTileCols));
-  at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
-    kernels::LinearTiles(x, m, k, w, n, b, y, ldy, accumulate, begin, end, stream_output);
+  // Few tiles that the threads cannot share evenly (a 288-column weight is 9 tiles: 5 and 4 on
+  // two threads, the second waiting 20% of the GEMM): the rows are split too, into one part per
+  // thread, so that the tasks are (tile, row part) pairs, tile-major. Each output element is still
+  // one thread's fixed-order sum over k: the same bits (kernels::LinearTiles splits rows alike).
+  const int64_t threads = at::get_num_threads();
+  const int64_t parts = grain == 1 && threads > 1 && tiles % threads != 0 && tiles < 16 * threads &&
+                                m >= 2 * 14 * threads
+                            ? threads
+                            : 1;
+  at::parallel_for(0, tiles * parts, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t p = 0; p < parts; ++p) {
+      // Tasks t * parts + p in [begin, end): tiles [first, last) of row part p.
+      const int64_t first = (begin - p + parts - 1) / parts, last = (end - p + parts - 1) / parts;
+      if (first >= last) continue;
+      const int64_t r0 = m * p / parts, r1 = m * (p + 1) / parts;
+      kernels::LinearTiles(x + r0 * k, r1 - r0, k, w, n, b, y + r0 * ldy, ldy, accumulate, first, last,
+                           stream_output);
+    }
   });
 }
 
