@@ -286,9 +286,9 @@ struct CacheLines {
   int64_t count = 0;
 };
 
-/// Head h's share of `lines` (of n_heads shares), prefetched into L2 (PREFETCHT1): into L1
-/// (PREFETCHT0) they evicted the lines being scored and, on the AMD EPYC (Zen 4) VM, held the
-/// L1's few miss buffers; L2 tracks many more misses at once.
+/// Head h's share of `lines` (of n_heads shares), prefetched into L2 (PREFETCHT1). Into L1
+/// (PREFETCHT0) they were slower on the AMD EPYC (Zen 4) VM; our reading: they evicted the lines
+/// being scored and held the L1's few miss buffers, where L2 tracks many more misses at once.
 __attribute__((always_inline)) inline void PrefetchShare(CacheLines lines, int h, int n_heads) {
   if (lines.count <= 0) return;
   const int64_t per_head = (lines.count + n_heads - 1) / n_heads;
@@ -324,10 +324,11 @@ __attribute__((always_inline)) inline void ScoreChunk(const float* q, int n_head
   // row is scored (from L2, or L3 for long rows, instead of from memory). None: count 0.
   // Measured as the attention alone, the two builds alternating step by step in one process
   // (15M shape, 64 rows of 17-144 keys, 6 layers, 2 threads): next keys into L1 only, as before,
-  // cost 1.00; values too (into L1) 0.96-0.99; both into L2 0.64-0.69 (AMD EPYC Zen 4 VM,
-  // 2026-12-02; rows of 2000 and 7000 keys 0.71 and 0.73, 30000 keys 0.99-1.03). Prefetching the
-  // values or the keys one chunk further ahead instead cost 5-8%. Prefetches only: the same
-  // results.
+  // cost 1.00; values too (into L1) 0.96-0.99; both into L2 0.64-0.76, and 0.80 of the keys
+  // alone into L2 (AMD EPYC Zen 4 VM, 2026-12-02; rows of 2000 and 7000 keys 0.71 and 0.73,
+  // 30000 keys 0.99-1.03). Prefetching the values or the keys one chunk further ahead instead
+  // cost 5-8%. Not measured on Intel since the move to L2 (the keys into L1 had cut attention
+  // time by 7% on an Intel Xeon VM). Prefetches only: the same results.
   for (int h = 0; h < n_heads; ++h) {
     PrefetchShare(next_keys, h, n_heads);
     PrefetchShare(values, h, n_heads);
@@ -484,8 +485,8 @@ __attribute__((always_inline)) inline void PvBlock(int n_heads, int group, int b
 }
 
 /// The cache lines holding the keys (base k_base) or values (base v_base) of positions
-/// [j, min(j + 16, num_keys)) of row r (all kv heads; one block when j is a multiple of 16 and
-/// block_size of 16, as AttendTokens makes the chunks), for prefetching: none past the rows or the
+/// [j, min(j + 16, num_keys)) of row r (all kv heads; one block when j and block_size are
+/// multiples of 16, as AttendTokens makes the chunks), for prefetching: none past the rows or the
 /// row's keys, or with other block sizes.
 __attribute__((always_inline)) inline CacheLines ChunkLines(const TokenRow* rows, int num_rows, int r, int j,
                                                           int block_size, int key_floats, const float* base,

@@ -1,18 +1,26 @@
 // The Llama model against independent oracles: the reference C implementation's greedy token
 // ids and text for stories260K, full-sequence vs incremental forward, and algebraic identities
-// between RoPE layouts and between GQA and its expanded multi-head equivalent.
+// between RoPE layouts and between GQA and its expanded multi-head equivalent; the forward
+// pass's threaded GEMM against one single-threaded kernel call.
 
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <random>
 #include <string>
 #include <vector>
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <c10/core/InferenceMode.h>
 #include <gtest/gtest.h>
 
 #include "policy/contiguous_kv_cache.h"
 #include "policy/default_model.h"
 #include "policy/llama2c_loader.h"
+#include "policy/cpu_kernels.h"
 #include "policy/llama_model.h"
+#include "policy/parallel_linear.h"
 #include "policy/tokenizer.h"
 #include "tests/support/comparisons.h"
 #include "tests/support/model_oracles.h"
@@ -222,6 +230,63 @@ TEST(LlamaModelTest, DefaultModelIsDeterministic) {
   const Checkpoint a = MakeDefaultCheckpoint(42), b = MakeDefaultCheckpoint(42), c = MakeDefaultCheckpoint(43);
   EXPECT_EQ(a.weights.at("model.layers.1.mlp.up_proj.weight").data, b.weights.at("model.layers.1.mlp.up_proj.weight").data);
   EXPECT_NE(a.weights.at("model.layers.1.mlp.up_proj.weight").data, c.weights.at("model.layers.1.mlp.up_proj.weight").data);
+}
+
+// ParallelLinear shares out tiles, and with few tiles (tile, row part) pairs: every output
+// element must be computed exactly once, by the same fixed-order sum as one LinearTiles call over
+// everything (the oracle), for any thread count and row count, with bias and accumulation, with
+// streamed stores, and when called inside a parallel region (then on one thread). Rows after m
+// and the columns between n and ldy hold NaN sentinels that must stay untouched.
+TEST(ParallelLinearTest, EqualsOneLinearTilesCallBitwiseForAnyThreadsAndRows) {
+  const int saved_threads = at::get_num_threads();
+  std::mt19937 rng(7);
+  std::uniform_real_distribution<float> uniform(-1.0f, 1.0f);
+  constexpr int64_t kK = 288;
+  int cases = 0;
+  for (int64_t n : {288, 100, 32000 / 125}) {  // 9, 4 and 8 column tiles
+    const int64_t tiles = kernels::NumColumnTiles(n), ldy = (n + 16 + 15) / 16 * 16;
+    std::vector<float> w(n * kK), bias(n), x(256 * kK);
+    for (float& v : w) v = uniform(rng);
+    for (float& v : bias) v = uniform(rng);
+    for (float& v : x) v = uniform(rng);
+    std::vector<float> packed(kernels::PackedSize(n, kK));
+    kernels::PackWeight(w.data(), n, kK, 0, tiles, packed.data());
+    for (int threads : {1, 2, 3, 4}) {
+      at::set_num_threads(threads);
+      for (int64_t m : {1, 13, 56, 57, 64, 113, 200}) {
+        for (int variant = 0; variant < 4; ++variant) {  // plain, bias, accumulate, streamed
+          const bool with_bias = variant == 1, accumulate = variant == 2, stream = variant == 3;
+          const size_t floats = static_cast<size_t>((m + 2) * ldy);
+          // 64-byte aligned (the streamed stores need it), NaN sentinels around the product.
+          float* expected = static_cast<float*>(std::aligned_alloc(64, (floats * sizeof(float) + 63) / 64 * 64));
+          float* actual = static_cast<float*>(std::aligned_alloc(64, (floats * sizeof(float) + 63) / 64 * 64));
+          float* nested = static_cast<float*>(std::aligned_alloc(64, (floats * sizeof(float) + 63) / 64 * 64));
+          for (size_t i = 0; i < floats; ++i) {
+            const int64_t row = static_cast<int64_t>(i) / ldy, col = static_cast<int64_t>(i) % ldy;
+            expected[i] = row < m && col < n ? uniform(rng) : std::nanf("");
+          }
+          std::memcpy(actual, expected, floats * sizeof(float));
+          std::memcpy(nested, expected, floats * sizeof(float));
+          const float* b = with_bias ? bias.data() : nullptr;
+          kernels::LinearTiles(x.data(), m, kK, packed.data(), n, b, expected, ldy, accumulate, 0, tiles, stream);
+          ParallelLinear(x.data(), m, kK, packed.data(), n, b, actual, ldy, accumulate, stream);
+          at::parallel_for(0, 2, 1, [&](int64_t begin, int64_t) {
+            if (begin == 0) ParallelLinear(x.data(), m, kK, packed.data(), n, b, nested, ldy, accumulate, stream);
+          });
+          EXPECT_EQ(std::memcmp(expected, actual, floats * sizeof(float)), 0)
+              << "n " << n << " m " << m << " threads " << threads << " variant " << variant;
+          EXPECT_EQ(std::memcmp(expected, nested, floats * sizeof(float)), 0)
+              << "inside a parallel region: n " << n << " m " << m << " threads " << threads << " variant " << variant;
+          std::free(expected);
+          std::free(actual);
+          std::free(nested);
+          ++cases;
+        }
+      }
+    }
+  }
+  at::set_num_threads(saved_threads);
+  EXPECT_EQ(cases, 3 * 4 * 7 * 4);
 }
 
 }  // namespace
