@@ -13,6 +13,7 @@
 #include "cache/attention_kernel.h"
 #include "cache/block_pool.h"
 #include "policy/check.h"
+#include "policy/huge_pages.h"
 #include "policy/logging.h"
 
 namespace vroll::cache {
@@ -35,16 +36,26 @@ PagedKvCache::PagedKvCache(const policy::ModelConfig& config, int num_blocks, in
   if (num_blocks <= 0) throw std::invalid_argument(fmt::format("PagedKvCache: num_blocks = {} must be > 0", num_blocks));
   if (block_size <= 0) throw std::invalid_argument(fmt::format("PagedKvCache: block_size = {} must be > 0", block_size));
   const int64_t bytes = BytesPerBlock(config, block_size, dtype) * num_blocks;
-  try {
-    for (int l = 0; l < config.n_layers; ++l) {
-      k_.push_back(at::zeros({num_blocks, block_size, config.n_kv_heads, config.head_dim()}, StorageType(dtype)));
-      v_.push_back(at::zeros({num_blocks, block_size, config.n_kv_heads, config.head_dim()}, StorageType(dtype)));
-    }
-  } catch (const c10::Error& e) {  // e.g. the allocator's "can't allocate memory"
-    throw std::runtime_error(fmt::format(
+  auto cannot_allocate = [&](const char* what) {
+    return std::runtime_error(fmt::format(
         "paged KV cache: cannot allocate {} blocks x {} tokens, {:.1f} MiB of {} keys and values (the engine's "
         "kv_cache_bytes; vroll-worker --kv-cache-mb): {}",
-        num_blocks, block_size, bytes / 1048576.0, KvCacheDtypeName(dtype), e.what_without_backtrace()));
+        num_blocks, block_size, bytes / 1048576.0, KvCacheDtypeName(dtype), what));
+  };
+  try {
+    // On transparent huge pages: attention reads each block's keys and values (18 KiB per layer
+    // for the 15M shape) from anywhere in the pool, and with 4 KiB pages each of those pieces
+    // crossed 5 pages (TLB misses; the hardware prefetchers stop at page boundaries).
+    for (int l = 0; l < config.n_layers; ++l) {
+      k_.push_back(policy::ZerosOnHugePages({num_blocks, block_size, config.n_kv_heads, config.head_dim()},
+                                            StorageType(dtype)));
+      v_.push_back(policy::ZerosOnHugePages({num_blocks, block_size, config.n_kv_heads, config.head_dim()},
+                                            StorageType(dtype)));
+    }
+  } catch (const c10::Error& e) {  // e.g. the allocator's "can't allocate memory"
+    throw cannot_allocate(e.what_without_backtrace());
+  } catch (const std::bad_alloc& e) {
+    throw cannot_allocate(e.what());
   }
   Logger("cache").info("paged KV storage: {} blocks x {} tokens, {:.1f} MiB of {} ({} bytes per block)", num_blocks,
                        block_size, bytes / 1048576.0, KvCacheDtypeName(dtype), BytesPerBlock(config, block_size, dtype));

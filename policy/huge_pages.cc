@@ -18,18 +18,18 @@ constexpr size_t kHugePageBytes = size_t{2} << 20;
 
 }  // namespace
 
-at::Tensor ZerosOnHugePages(c10::IntArrayRef sizes) {
+at::Tensor ZerosOnHugePages(c10::IntArrayRef sizes, c10::ScalarType dtype) {
   int64_t numel = 1;
   for (int64_t s : sizes) numel *= s;
-  const size_t bytes = static_cast<size_t>(numel) * sizeof(float);
-  if (bytes < kHugePageBytes) return at::zeros(sizes, at::kFloat);
+  const size_t bytes = static_cast<size_t>(numel) * c10::elementSize(dtype);
+  if (bytes < kHugePageBytes) return at::zeros(sizes, dtype);
   const size_t rounded = (bytes + kHugePageBytes - 1) / kHugePageBytes * kHugePageBytes;
   void* memory = std::aligned_alloc(kHugePageBytes, rounded);
   if (memory == nullptr) throw std::bad_alloc();
   // Advice, not a requirement: without THP (or with THP "never") the pages are just small ones.
   (void)madvise(memory, rounded, MADV_HUGEPAGE);
   std::memset(memory, 0, bytes);  // first touch: faults in huge pages now, not during a step
-  return at::from_blob(memory, sizes, [](void* p) { std::free(p); }, at::TensorOptions().dtype(at::kFloat));
+  return at::from_blob(memory, sizes, [](void* p) { std::free(p); }, at::TensorOptions().dtype(dtype));
 }
 
 int64_t HugePageBytes(const at::Tensor& tensor) {

@@ -2,6 +2,7 @@
 // on random lengths, random chunking and scattered block ids, for block sizes 1, 4 and 16.
 
 #include <algorithm>
+#include <fstream>
 #include <numeric>
 #include <random>
 #include <string>
@@ -15,6 +16,7 @@
 #include "cache/paged_kv_cache.h"
 #include "policy/contiguous_kv_cache.h"
 #include "policy/default_model.h"
+#include "policy/huge_pages.h"
 #include "policy/llama_model.h"
 #include "tests/support/comparisons.h"
 #include "tests/support/model_oracles.h"
@@ -302,6 +304,28 @@ TEST(PagedKvCacheTest, BytesPerBlockIsWhatTheStorageTensorsHold) {
     }
   }
   EXPECT_EQ(PagedKvCache::BytesPerBlock(config, 16, KvCacheDtype::kFloat16) * 2, PagedKvCache::BytesPerBlock(config, 16));
+}
+
+TEST(PagedKvCacheTest, StorageOfAtLeastTwoMibIsOnHugePagesWhereTheKernelOffersThem) {
+  // Oracle: /proc/self/smaps (policy::HugePageBytes), read independently of the allocation.
+  std::ifstream thp("/sys/kernel/mm/transparent_hugepage/enabled");
+  std::string mode;
+  std::getline(thp, mode);
+  if (mode.find("[always]") == std::string::npos && mode.find("[madvise]") == std::string::npos) {
+    GTEST_SKIP() << "transparent huge pages are off here: '" << mode << "'";
+  }
+  c10::InferenceMode guard;
+  const ModelConfig config = policy::DefaultModelConfig();
+  for (KvCacheDtype dtype : {KvCacheDtype::kFloat32, KvCacheDtype::kBFloat16}) {
+    // 8 MiB per layer and kind: several 2 MiB pages, so one that falls back to small pages does
+    // not fail the test.
+    const int64_t per_block = PagedKvCache::BytesPerBlock(config, 16, dtype) / (2 * config.n_layers);
+    const int num_blocks = static_cast<int>((int64_t{8} << 20) / per_block);
+    PagedKvCache paged(config, num_blocks, 16, dtype);
+    EXPECT_GT(policy::HugePageBytes(paged.keys(0)), 0) << KvCacheDtypeName(dtype) << " keys, THP '" << mode << "'";
+    EXPECT_GT(policy::HugePageBytes(paged.values(config.n_layers - 1)), 0) << KvCacheDtypeName(dtype) << " values";
+    EXPECT_EQ(paged.keys(0).count_nonzero().item<int64_t>(), 0);
+  }
 }
 
 TEST(PagedKvCacheTest, RejectsTablesTooShortForTheContext) {

@@ -48,5 +48,21 @@ TEST(HugePagesTest, BackedByHugePagesWhenTheKernelOffersThem) {
   EXPECT_GT(HugePageBytes(t), 0) << "no huge pages for a 64 MiB MADV_HUGEPAGE buffer (THP '" << mode << "')";
 }
 
+TEST(HugePagesTest, SixteenBitTensorsHaveTheirTypeAndSize) {  // the paged KV cache's float16 / bfloat16 storage
+  for (at::ScalarType dtype : {at::kHalf, at::kBFloat16}) {
+    const at::Tensor t = ZerosOnHugePages({4, 1024, 768}, dtype);  // 6 MiB
+    ASSERT_EQ(t.scalar_type(), dtype);
+    ASSERT_EQ(t.nbytes(), size_t{4} * 1024 * 768 * 2);
+    EXPECT_EQ(reinterpret_cast<uintptr_t>(t.data_ptr()) % (2 << 20), 0u) << "2 MiB aligned";
+    EXPECT_EQ(t.count_nonzero().item<int64_t>(), 0);
+    at::Tensor u = t;
+    u.select(0, 3).fill_(1.0);  // the last of its bytes are writable and owned
+    EXPECT_EQ(t.to(at::kFloat).sum().item<double>(), 1024.0 * 768);
+  }
+  const at::Tensor small = ZerosOnHugePages({100}, at::kHalf);  // under 2 MiB: at::zeros
+  EXPECT_EQ(small.scalar_type(), at::kHalf);
+  EXPECT_EQ(small.count_nonzero().item<int64_t>(), 0);
+}
+
 }  // namespace
 }  // namespace vroll::policy
