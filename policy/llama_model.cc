@@ -48,10 +48,12 @@ void Gemm(const float* x, int64_t m, int64_t k, const at::Tensor& packed, int64_
                  accumulate, stream_output);
 }
 
-/// f(row) for rows [0, m), in parallel when the rows are many.
+/// f(row) for rows [0, m), in parallel when the rows are many: 64 Ki elements per task at least
+/// (was 256 Ki, which kept RMSNorm of 512 rows of 288 on one thread; Zen 4 VM, GRPO workload, 3
+/// alternating pairs: "other" 0.85-0.93 -> 0.69-0.88 s). Rows are independent: the same bits.
 template <typename F>
 void ForRows(int64_t m, int64_t row_elems, F&& f) {
-  const int64_t grain = std::max<int64_t>(1, 262144 / std::max<int64_t>(1, row_elems));
+  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, row_elems));
   at::parallel_for(0, m, grain, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) f(i);
   });
