@@ -84,14 +84,31 @@ void ParallelLinear(const float* x, int64_t m, int64_t k, const float* packed, i
                             ? threads
                             : 1;
   at::parallel_for(0, tiles * parts, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t p = 0; p < parts; ++p) {
-      // Tasks t * parts + p in [begin, end): tiles [first, last) of row part p.
-      const int64_t first = (begin - p + parts - 1) / parts, last = (end - p + parts - 1) / parts;
-      if (first >= last) continue;
-      const int64_t r0 = m * p / parts, r1 = m * (p + 1) / parts;
-      kernels::LinearTiles(x + r0 * k, r1 - r0, k, packed, n, bias, y + r0 * ldy, ldy, accumulate, first, last,
-                           stream_output);
+    // Tasks t * parts + p in [begin, end). Consecutive tiles whose parts here cover the same rows
+    // (all rows, in the middle of the range) go to one LinearTiles call, which walks them tile by
+    // tile over all those rows, prefetching each next tile. Calling it once per row part instead
+    // walked the range's tiles once per part: the first walk fetched every weight from memory for
+    // half the rows, i.e. twice the bandwidth per unit of work. Zen 5 VM, 64 rows, two threads,
+    // weights evicted between steps as in a decode step (in-process A/B, median of 200 paired
+    // steps, 3 runs): q/k/v 0.94-0.96 of the time, o_proj 0.98, down_proj 0.97-0.98.
+    int64_t run_first = -1, run_r0 = 0, run_r1 = 0;
+    auto flush = [&](int64_t run_end) {
+      if (run_first < 0) return;
+      kernels::LinearTiles(x + run_r0 * k, run_r1 - run_r0, k, packed, n, bias, y + run_r0 * ldy, ldy, accumulate,
+                           run_first, run_end, stream_output);
+    };
+    for (int64_t t = begin / parts; t * parts < end; ++t) {
+      // Parts [pb, pe) of tile t are in the range: rows [m * pb / parts, m * pe / parts).
+      const int64_t pb = std::max<int64_t>(0, begin - t * parts), pe = std::min<int64_t>(parts, end - t * parts);
+      const int64_t r0 = m * pb / parts, r1 = m * pe / parts;
+      if (run_first < 0 || r0 != run_r0 || r1 != run_r1) {
+        flush(t);
+        run_first = t;
+        run_r0 = r0;
+        run_r1 = r1;
+      }
     }
+    flush((end + parts - 1) / parts);
   });
 }
 
