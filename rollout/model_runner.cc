@@ -142,7 +142,9 @@ ModelRunner::ModelRunner(const policy::Checkpoint& checkpoint, const ModelRunner
     }
     if (end * sizeof(float) != group.model.nbytes()) usable[g] = false;
     if (!usable[g]) continue;
-    group.spare = at::zeros({static_cast<int64_t>(end)}, at::kFloat);  // faulted in now, not at the first update
+    // Faulted in now, not at the first update; on huge pages like the model's large tensors (the
+    // embedding table, whose storage this one replaces at each update).
+    group.spare = policy::ZerosOnHugePages({static_cast<int64_t>(end)});
     for (size_t i : group.params) m.param_group[i] = static_cast<int>(g);
   }
   // Prepacking: every usable group, packed too when it is the storage of a packed GEMM weight.

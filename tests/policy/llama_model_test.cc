@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <random>
 #include <string>
 #include <vector>
@@ -17,6 +18,7 @@
 
 #include "policy/contiguous_kv_cache.h"
 #include "policy/default_model.h"
+#include "policy/huge_pages.h"
 #include "policy/llama2c_loader.h"
 #include "policy/cpu_kernels.h"
 #include "policy/llama_model.h"
@@ -195,6 +197,29 @@ TEST(LlamaModelTest, NamedParametersAliasModelStorage) {
     if (name == "model.norm.weight") tensor.mul_(0.5);
   }
   EXPECT_FALSE(at::equal(FullForward(model, tokens), before));
+}
+
+TEST(LlamaModelTest, EmbeddingTableIsOnHugePagesWithTheCheckpointsValues) {
+  // The lookup reads rows from anywhere in the table. Oracle: /proc/self/smaps (HugePageBytes).
+  std::ifstream thp("/sys/kernel/mm/transparent_hugepage/enabled");
+  std::string mode;
+  std::getline(thp, mode);
+  if (mode.find("[always]") == std::string::npos && mode.find("[madvise]") == std::string::npos) {
+    GTEST_SKIP() << "transparent huge pages are off here: '" << mode << "'";
+  }
+  ModelConfig config = DefaultModelConfig();
+  config.vocab_size = 16384;  // 16384 x 64 floats: 4 MiB, two huge pages
+  const Checkpoint ckpt = MakeRandomCheckpoint(config, 5);
+  LlamaModel model(ckpt);
+  at::Tensor embed;
+  for (const auto& [name, tensor] : model.NamedParameters()) {
+    if (name == "model.embed_tokens.weight") embed = tensor;
+  }
+  ASSERT_TRUE(embed.defined());
+  EXPECT_GT(HugePageBytes(embed), 0) << "THP '" << mode << "'";
+  const HostTensor& host = ckpt.weights.at("model.embed_tokens.weight");
+  ASSERT_EQ(embed.numel(), static_cast<int64_t>(host.data.size()));
+  EXPECT_EQ(std::memcmp(embed.data_ptr<float>(), host.data.data(), host.data.size() * sizeof(float)), 0);
 }
 
 TEST(LlamaModelTest, RepackWeightsMakesWritesIntoGemmWeightsVisible) {

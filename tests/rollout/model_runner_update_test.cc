@@ -4,14 +4,17 @@
 // from the values the test expects, and RecomputeWeightsChecksum, which hashes the model's memory.
 
 #include <cstring>
+#include <fstream>
 #include <map>
 #include <random>
 #include <string>
 #include <vector>
 
+#include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
 #include "policy/default_model.h"
+#include "policy/huge_pages.h"
 #include "policy/weight_update.h"
 #include "rollout/model_runner.h"
 
@@ -52,6 +55,32 @@ WeightMap Perturbed(const WeightMap& weights, uint64_t seed) {
 
 /// Parameter: whether the staging stages into the runner's spare buffers (applied by swapping
 /// storages) or into its own (applied by copying).
+TEST(ModelRunnerSpareTest, EmbeddingSpareIsOnHugePagesLikeTheModelsTable) {
+  // An update that swaps the embedding's storage hands the model this spare: it must be on huge
+  // pages as the table it replaces is (LlamaModel). Oracle: /proc/self/smaps (HugePageBytes).
+  std::ifstream thp("/sys/kernel/mm/transparent_hugepage/enabled");
+  std::string mode;
+  std::getline(thp, mode);
+  if (mode.find("[always]") == std::string::npos && mode.find("[madvise]") == std::string::npos) {
+    GTEST_SKIP() << "transparent huge pages are off here: '" << mode << "'";
+  }
+  policy::ModelConfig config = policy::DefaultModelConfig();
+  config.vocab_size = 16384;  // 16384 x 64 floats: 4 MiB, two huge pages
+  ModelRunner runner(policy::MakeRandomCheckpoint(config, 5), ModelRunnerConfig{8, 16});
+  const std::vector<policy::ParamSpec> specs = runner.ParamSpecs();
+  const std::vector<float*> spares = runner.StagingBuffers();
+  ASSERT_EQ(specs.size(), spares.size());
+  bool found = false;
+  for (size_t i = 0; i < specs.size(); ++i) {
+    if (specs[i].name != "model.embed_tokens.weight") continue;
+    found = true;
+    ASSERT_NE(spares[i], nullptr) << "the embedding has no spare to be swapped with";
+    const at::Tensor spare = at::from_blob(spares[i], {config.vocab_size, config.dim}, at::kFloat);
+    EXPECT_GT(policy::HugePageBytes(spare), 0) << "THP '" << mode << "'";
+  }
+  EXPECT_TRUE(found);
+}
+
 class ModelRunnerUpdateTest : public ::testing::TestWithParam<bool> {
  protected:
   ModelRunnerUpdateTest()
