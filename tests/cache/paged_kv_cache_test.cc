@@ -2,7 +2,6 @@
 // on random lengths, random chunking and scattered block ids, for block sizes 1, 4 and 16.
 
 #include <algorithm>
-#include <fstream>
 #include <numeric>
 #include <random>
 #include <string>
@@ -20,6 +19,7 @@
 #include "policy/llama_model.h"
 #include "tests/support/comparisons.h"
 #include "tests/support/model_oracles.h"
+#include "tests/support/test_paths.h"
 
 namespace vroll::cache {
 namespace {
@@ -308,12 +308,8 @@ TEST(PagedKvCacheTest, BytesPerBlockIsWhatTheStorageTensorsHold) {
 
 TEST(PagedKvCacheTest, StorageOfAtLeastTwoMibIsOnHugePagesWhereTheKernelOffersThem) {
   // Oracle: /proc/self/smaps (policy::HugePageBytes), read independently of the allocation.
-  std::ifstream thp("/sys/kernel/mm/transparent_hugepage/enabled");
-  std::string mode;
-  std::getline(thp, mode);
-  if (mode.find("[always]") == std::string::npos && mode.find("[madvise]") == std::string::npos) {
-    GTEST_SKIP() << "transparent huge pages are off here: '" << mode << "'";
-  }
+  VROLL_REQUIRE_HUGE_PAGES();
+  const std::string mode = vroll::testing::TransparentHugePageMode();
   c10::InferenceMode guard;
   const ModelConfig config = policy::DefaultModelConfig();
   for (KvCacheDtype dtype : {KvCacheDtype::kFloat32, KvCacheDtype::kBFloat16}) {

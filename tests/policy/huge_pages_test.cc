@@ -3,21 +3,15 @@
 
 #include "policy/huge_pages.h"
 
-#include <fstream>
 #include <string>
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include "tests/support/test_paths.h"
+
 namespace vroll::policy {
 namespace {
-
-std::string ThpMode() {
-  std::ifstream f("/sys/kernel/mm/transparent_hugepage/enabled");
-  std::string line;
-  std::getline(f, line);
-  return line;  // e.g. "always [madvise] never"
-}
 
 TEST(HugePagesTest, LargeTensorIsZeroedContiguousAndWritable) {
   const at::Tensor t = ZerosOnHugePages({3, 1000, 700});  // 8.4 MB
@@ -38,10 +32,8 @@ TEST(HugePagesTest, SmallTensorIsAnOrdinaryZeroTensor) {
 }
 
 TEST(HugePagesTest, BackedByHugePagesWhenTheKernelOffersThem) {
-  const std::string mode = ThpMode();
-  if (mode.find("[always]") == std::string::npos && mode.find("[madvise]") == std::string::npos) {
-    GTEST_SKIP() << "transparent huge pages are off here: '" << mode << "'";
-  }
+  VROLL_REQUIRE_HUGE_PAGES();
+  const std::string mode = vroll::testing::TransparentHugePageMode();
   const at::Tensor t = ZerosOnHugePages({int64_t{16} << 20});  // 64 MiB
   // The kernel may fall back to small pages when it has no free 2 MiB page; it rarely has none
   // for all of them.

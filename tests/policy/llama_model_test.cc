@@ -6,7 +6,6 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
-#include <fstream>
 #include <random>
 #include <string>
 #include <vector>
@@ -201,12 +200,8 @@ TEST(LlamaModelTest, NamedParametersAliasModelStorage) {
 
 TEST(LlamaModelTest, EmbeddingTableIsOnHugePagesWithTheCheckpointsValues) {
   // The lookup reads rows from anywhere in the table. Oracle: /proc/self/smaps (HugePageBytes).
-  std::ifstream thp("/sys/kernel/mm/transparent_hugepage/enabled");
-  std::string mode;
-  std::getline(thp, mode);
-  if (mode.find("[always]") == std::string::npos && mode.find("[madvise]") == std::string::npos) {
-    GTEST_SKIP() << "transparent huge pages are off here: '" << mode << "'";
-  }
+  VROLL_REQUIRE_HUGE_PAGES();
+  const std::string mode = vroll::testing::TransparentHugePageMode();
   ModelConfig config = DefaultModelConfig();
   config.vocab_size = 16384;  // 16384 x 64 floats: 4 MiB, two huge pages
   const Checkpoint ckpt = MakeRandomCheckpoint(config, 5);

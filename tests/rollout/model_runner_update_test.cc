@@ -4,7 +4,6 @@
 // from the values the test expects, and RecomputeWeightsChecksum, which hashes the model's memory.
 
 #include <cstring>
-#include <fstream>
 #include <map>
 #include <random>
 #include <string>
@@ -17,6 +16,7 @@
 #include "policy/huge_pages.h"
 #include "policy/weight_update.h"
 #include "rollout/model_runner.h"
+#include "tests/support/test_paths.h"
 
 namespace vroll::rollout {
 namespace {
@@ -58,12 +58,8 @@ WeightMap Perturbed(const WeightMap& weights, uint64_t seed) {
 TEST(ModelRunnerSpareTest, EmbeddingSpareIsOnHugePagesLikeTheModelsTable) {
   // An update that swaps the embedding's storage hands the model this spare: it must be on huge
   // pages as the table it replaces is (LlamaModel). Oracle: /proc/self/smaps (HugePageBytes).
-  std::ifstream thp("/sys/kernel/mm/transparent_hugepage/enabled");
-  std::string mode;
-  std::getline(thp, mode);
-  if (mode.find("[always]") == std::string::npos && mode.find("[madvise]") == std::string::npos) {
-    GTEST_SKIP() << "transparent huge pages are off here: '" << mode << "'";
-  }
+  VROLL_REQUIRE_HUGE_PAGES();
+  const std::string mode = vroll::testing::TransparentHugePageMode();
   policy::ModelConfig config = policy::DefaultModelConfig();
   config.vocab_size = 16384;  // 16384 x 64 floats: 4 MiB, two huge pages
   ModelRunner runner(policy::MakeRandomCheckpoint(config, 5), ModelRunnerConfig{8, 16});

@@ -4,6 +4,7 @@
 
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
 
 #include <gtest/gtest.h>
 
@@ -24,6 +25,18 @@ std::filesystem::path MakeTestDir(const std::string& prefix) {
   fs::remove_all(dir);
   fs::create_directories(dir);
   return dir;
+}
+
+std::string TransparentHugePageMode() {
+  std::ifstream f("/sys/kernel/mm/transparent_hugepage/enabled");
+  std::string line;
+  std::getline(f, line);
+  return line;
+}
+
+bool HugePagesOffered() {
+  const std::string mode = TransparentHugePageMode();
+  return mode.find("[always]") != std::string::npos || mode.find("[madvise]") != std::string::npos;
 }
 
 }  // namespace vroll::testing

@@ -22,7 +22,22 @@ bool HaveSharedModels();
 /// it cannot be created.
 std::filesystem::path MakeTestDir(const std::string& prefix);
 
+/// The kernel's transparent huge page setting, the first line of
+/// /sys/kernel/mm/transparent_hugepage/enabled (e.g. "always [madvise] never"); empty where the
+/// file is missing. Tests that need huge pages call VROLL_REQUIRE_HUGE_PAGES() first.
+std::string TransparentHugePageMode();
+
+/// Whether that setting gives a MADV_HUGEPAGE buffer huge pages: "[always]" or "[madvise]".
+bool HugePagesOffered();
+
 }  // namespace vroll::testing
+
+#define VROLL_REQUIRE_HUGE_PAGES()                                                                    \
+  do {                                                                                                \
+    if (!::vroll::testing::HugePagesOffered())                                                        \
+      GTEST_SKIP() << "transparent huge pages are off here: '" << ::vroll::testing::TransparentHugePageMode() \
+                   << "'";                                                                            \
+  } while (0)
 
 #define VROLL_REQUIRE_SHARED()                                                       \
   do {                                                                               \
