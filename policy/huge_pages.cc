@@ -2,12 +2,15 @@
 
 #include <sys/mman.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <new>
 #include <sstream>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include <ATen/Functions.h>
 
@@ -32,9 +35,14 @@ at::Tensor ZerosOnHugePages(c10::IntArrayRef sizes, c10::ScalarType dtype) {
   return at::from_blob(memory, sizes, [](void* p) { std::free(p); }, at::TensorOptions().dtype(dtype));
 }
 
-int64_t HugePageBytes(const at::Tensor& tensor) {
-  const auto begin = reinterpret_cast<uintptr_t>(tensor.data_ptr());
-  const uintptr_t end = begin + static_cast<uintptr_t>(tensor.nbytes());
+int64_t HugePageBytes(const at::Tensor& tensor) { return HugePageBytes(std::vector<at::Tensor>{tensor}); }
+
+int64_t HugePageBytes(const std::vector<at::Tensor>& tensors) {
+  std::vector<std::pair<uintptr_t, uintptr_t>> ranges;
+  for (const at::Tensor& t : tensors) {
+    const auto begin = reinterpret_cast<uintptr_t>(t.data_ptr());
+    ranges.emplace_back(begin, begin + static_cast<uintptr_t>(t.nbytes()));
+  }
   std::ifstream smaps("/proc/self/smaps");
   std::string line;
   bool overlaps = false;
@@ -44,7 +52,10 @@ int64_t HugePageBytes(const at::Tensor& tensor) {
     char dash = 0;
     std::istringstream head(line);
     if (head >> std::hex >> lo >> dash >> hi && dash == '-') {
-      overlaps = lo < end && begin < hi;
+      // Each mapping counts once, however many of the tensors it holds (the kernel merges
+      // adjacent anonymous mappings with the same flags into one).
+      overlaps = std::any_of(ranges.begin(), ranges.end(),
+                             [&](const auto& r) { return lo < r.second && r.first < hi; });
       continue;
     }
     if (overlaps && line.rfind("AnonHugePages:", 0) == 0) {

@@ -11,6 +11,7 @@
 // way). The KV pool on huge pages: attention 5-7% faster there (15M shape, 64 rows, 6 layers).
 
 #include <cstdint>
+#include <vector>
 
 #include <ATen/core/Tensor.h>
 #include <c10/core/ScalarType.h>
@@ -29,5 +30,10 @@ at::Tensor ZerosOnHugePages(c10::IntArrayRef sizes, c10::ScalarType dtype = c10:
 /// Bytes of the huge pages backing `tensor`'s memory now (AnonHugePages in /proc/self/smaps over
 /// the mappings it overlaps), for logs and tests; 0 where unknown. Linux only; slow (parses smaps).
 int64_t HugePageBytes(const at::Tensor& tensor);
+
+/// The same over several tensors' memory, reading smaps once: each mapping that overlaps any of
+/// them counts once (adjacent allocations may share one mapping, which per-tensor calls would
+/// count again for every tensor in it).
+int64_t HugePageBytes(const std::vector<at::Tensor>& tensors);
 
 }  // namespace vroll::policy

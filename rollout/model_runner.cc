@@ -306,6 +306,18 @@ std::vector<float*> ModelRunner::StagingBuffers() const {
 
 int64_t ModelRunner::num_swapped_groups() const { return impl_->num_swapped_groups; }
 
+int64_t ModelRunner::kv_huge_page_bytes() const {
+  std::vector<at::Tensor> storage;
+  int64_t total = 0;
+  for (int layer = 0; layer < impl_->model.config().n_layers; ++layer) {
+    storage.push_back(impl_->kv.keys(layer));
+    storage.push_back(impl_->kv.values(layer));
+    total += static_cast<int64_t>(storage[storage.size() - 2].nbytes() + storage.back().nbytes());
+  }
+  // Whole mappings count, and each tensor's is rounded up to 2 MiB: at most the storage itself.
+  return std::min(policy::HugePageBytes(storage), total);
+}
+
 uint64_t ModelRunner::WeightsChecksum() const {
   std::vector<policy::NamedTensorDigest> digests;
   digests.reserve(impl_->param_names.size());

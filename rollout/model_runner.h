@@ -110,6 +110,11 @@ class ModelRunner {
   /// Storages swapped (rather than copied) by the last ApplyWeights.
   int64_t num_swapped_groups() const;
 
+  /// Bytes of the paged KV storage (keys and values, every layer) backed by transparent huge
+  /// pages now (policy::HugePageBytes), for the engine's start-up log: 0 where the kernel gave
+  /// none. Slow (parses /proc/self/smaps): call it once, not per step.
+  int64_t kv_huge_page_bytes() const;
+
   /// policy::WeightsChecksum over every parameter now in use, assembled from per-parameter
   /// digests (hashed from the model at construction, then taken from each applied update's
   /// verified values) without reading the weights: O(parameters).

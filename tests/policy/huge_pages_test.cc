@@ -40,6 +40,22 @@ TEST(HugePagesTest, BackedByHugePagesWhenTheKernelOffersThem) {
   EXPECT_GT(HugePageBytes(t), 0) << "no huge pages for a 64 MiB MADV_HUGEPAGE buffer (THP '" << mode << "')";
 }
 
+TEST(HugePagesTest, SeveralTensorsCountEachMappingOnce) {
+  VROLL_REQUIRE_HUGE_PAGES();
+  const at::Tensor a = ZerosOnHugePages({int64_t{4} << 20});  // 16 MiB each
+  const at::Tensor b = ZerosOnHugePages({int64_t{4} << 20});
+  const int64_t alone = HugePageBytes(a);
+  EXPECT_GT(alone, 0);
+  // The same tensor twice, or a view into it, adds nothing (one summing per tensor would double).
+  EXPECT_EQ(HugePageBytes(std::vector<at::Tensor>{a, a, a.narrow(0, 0, 1000)}), alone);
+  // Two allocations: at least each one's, at most both (the kernel may have merged their
+  // mappings, which either single call then counts whole).
+  const int64_t both = HugePageBytes(std::vector<at::Tensor>{a, b});
+  EXPECT_GE(both, std::max(alone, HugePageBytes(b)));
+  EXPECT_LE(both, alone + HugePageBytes(b));
+  EXPECT_EQ(HugePageBytes(std::vector<at::Tensor>{}), 0);
+}
+
 TEST(HugePagesTest, SixteenBitTensorsHaveTheirTypeAndSize) {  // the paged KV cache's float16 / bfloat16 storage
   for (at::ScalarType dtype : {at::kHalf, at::kBFloat16}) {
     const at::Tensor t = ZerosOnHugePages({4, 1024, 768}, dtype);  // 6 MiB

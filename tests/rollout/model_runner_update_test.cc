@@ -77,6 +77,15 @@ TEST(ModelRunnerSpareTest, EmbeddingSpareIsOnHugePagesLikeTheModelsTable) {
   EXPECT_TRUE(found);
 }
 
+TEST(ModelRunnerSpareTest, ReportsTheKvStorageOnHugePages) {  // the engine's start-up log prints it
+  VROLL_REQUIRE_HUGE_PAGES();
+  // 2048 blocks x 16 tokens x 64 floats: 8 MiB per layer for keys and for values.
+  ModelRunner runner(policy::MakeDefaultCheckpoint(5), ModelRunnerConfig{2048, 16});
+  EXPECT_GT(runner.kv_huge_page_bytes(), 0) << "THP '" << vroll::testing::TransparentHugePageMode() << "'";
+  ModelRunner small(policy::MakeDefaultCheckpoint(5), ModelRunnerConfig{8, 16});  // 32 KiB per layer
+  EXPECT_EQ(small.kv_huge_page_bytes(), 0);
+}
+
 class ModelRunnerUpdateTest : public ::testing::TestWithParam<bool> {
  protected:
   ModelRunnerUpdateTest()
