@@ -122,7 +122,7 @@ LlamaModel::LlamaModel(const Checkpoint& checkpoint, const ModelOptions& options
 
   embed_ = load("model.embed_tokens.weight");
   if (device_.is_cpu()) {
-    // The embedding lookup reads one row per token from anywhere in the table (37 MiB at the 15M
+    // The embedding lookup reads one row per token from anywhere in the table (37 MB at the 15M
     // shape): on 4 KiB pages each row cost a page walk through page tables long evicted (nested
     // under a hypervisor's). Zen 5 VM, batch 64, in-process A/B over alternating decode steps,
     // 3 runs: the lookup of 64 rows 160-290 -> 33-43 us, about 2% of the step.

@@ -111,7 +111,8 @@ class ModelRunner {
   int64_t num_swapped_groups() const;
 
   /// Bytes of the paged KV storage (keys and values, every layer) backed by transparent huge
-  /// pages now (policy::HugePageBytes), for the engine's start-up log: 0 where the kernel gave
+  /// pages now, for the engine's start-up log: an upper bound (policy::HugePageBytes counts the
+  /// whole mappings the storage lies in), capped at the storage's size; 0 where the kernel gave
   /// none. Slow (parses /proc/self/smaps): call it once, not per step.
   int64_t kv_huge_page_bytes() const;
 

@@ -263,7 +263,8 @@ TEST(ParallelLinearTest, EqualsOneLinearTilesCallBitwiseForAnyThreadsAndRows) {
   std::uniform_real_distribution<float> uniform(-1.0f, 1.0f);
   constexpr int64_t kK = 288;
   int cases = 0;
-  for (int64_t n : {288, 100, 32000 / 125}) {  // 9, 4 and 8 column tiles
+  // 9, 4, 8, 1 and 3 column tiles (with fewer tiles than threads, ranges start and end inside one).
+  for (int64_t n : {288, 100, 32000 / 125, 32, 70}) {
     const int64_t tiles = kernels::NumColumnTiles(n), ldy = (n + 16 + 15) / 16 * 16;
     std::vector<float> w(n * kK), bias(n), x(256 * kK);
     for (float& v : w) v = uniform(rng);
@@ -306,7 +307,7 @@ TEST(ParallelLinearTest, EqualsOneLinearTilesCallBitwiseForAnyThreadsAndRows) {
     }
   }
   at::set_num_threads(saved_threads);
-  EXPECT_EQ(cases, 3 * 4 * 7 * 4);
+  EXPECT_EQ(cases, 5 * 4 * 7 * 4);
 }
 
 }  // namespace
