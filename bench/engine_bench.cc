@@ -104,15 +104,18 @@ struct GemmReference {
 };
 
 /// The "forward split" row under a "time split" row: the forward pass's parts
-/// (policy::ForwardTimes), seconds and shares of their sum.
+/// (policy::ForwardTimes), seconds and shares of their sum. In steps run as micro-batches (one
+/// per thread) a part is the mean over the threads; "waiting for the slowest micro-batch" is the
+/// rest of those steps' layers.
 void PrintForwardSplit(const vroll::rollout::EngineStats& st) {
   const vroll::policy::ForwardTimes& f = st.forward_parts;
   const double total = f.total();
   if (total <= 0) return;  // not the CPU forward pass
   std::printf("|   forward split | attention %.2fs (%.0f%%), layer GEMMs %.2fs (%.0f%%), lm_head GEMM %.2fs (%.0f%%), "
-              "other %.2fs (%.0f%%) | | | | | |\n",
+              "other %.2fs (%.0f%%), waiting for the slowest micro-batch %.2fs (%.0f%%) | | | | | |\n",
               f.attention, 100 * f.attention / total, f.layer_gemms, 100 * f.layer_gemms / total, f.lm_head,
-              100 * f.lm_head / total, f.other, 100 * f.other / total);
+              100 * f.lm_head / total, f.other, 100 * f.other / total, f.micro_batch_wait,
+              100 * f.micro_batch_wait / total);
 }
 
 struct RunResult {

@@ -191,14 +191,41 @@ void PagedKvCache::AttendSixteenBit(const kernels::TokenRow* rows, int64_t count
 at::Tensor PagedKvCache::Attend(int layer, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
   c10::InferenceMode guard;
   const int64_t num_tokens = q.size(0);
-  const int n_heads = config_.n_heads, n_kv = config_.n_kv_heads, head_dim = config_.head_dim();
-  const int group = n_heads / n_kv;
   if (num_tokens != static_cast<int64_t>(row_seq_.size()) || !q.is_cpu() || q.scalar_type() != at::kFloat ||
       !q.is_contiguous() || !k.is_contiguous() || !v.is_contiguous()) {
     throw std::invalid_argument(fmt::format(
         "PagedKvCache::Attend: expects contiguous CPU fp32 q/k/v for the {} rows set by SetStep, got {} rows",
         row_seq_.size(), num_tokens));
   }
+  at::Tensor out = at::empty({num_tokens, config_.n_heads, config_.head_dim()}, at::kFloat);
+  AttendRange(layer, q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), 0, num_tokens,
+              out.data_ptr<float>());
+  return out;
+}
+
+std::vector<int32_t> PagedKvCache::SequenceRowStarts() const { return layout_.query_start; }
+
+void PagedKvCache::AttendRows(int layer, const float* q, const float* k, const float* v, int64_t row_begin,
+                              int64_t row_end, float* out) {
+  c10::InferenceMode guard;
+  const int64_t num_tokens = static_cast<int64_t>(row_seq_.size());
+  auto is_start = [&](int64_t row) {
+    return row == num_tokens ||
+           (row >= 0 && row < num_tokens && layout_.query_start[row_seq_[row]] == static_cast<int32_t>(row));
+  };
+  if (!(row_begin < row_end) || !is_start(row_begin) || !is_start(row_end)) {
+    throw std::invalid_argument(fmt::format(
+        "PagedKvCache::AttendRows: rows [{}, {}) are not whole sequences of the {} rows set by SetStep", row_begin,
+        row_end, num_tokens));
+  }
+  AttendRange(layer, q, k, v, row_begin, row_end, out);
+}
+
+void PagedKvCache::AttendRange(int layer, const float* q_ptr, const float* k_rows, const float* v_rows,
+                               int64_t row_begin, int64_t row_end, float* out_ptr) {
+  const int64_t num_tokens = row_end - row_begin;
+  const int n_heads = config_.n_heads, n_kv = config_.n_kv_heads, head_dim = config_.head_dim();
+  const int group = n_heads / n_kv;
   const int64_t token_stride = int64_t{n_kv} * head_dim;  // between positions within a block, elements
   const int64_t block_stride = token_stride * block_size_;
   const int64_t elem = KvCacheDtypeBytes(dtype_), token_bytes = token_stride * elem;
@@ -207,26 +234,30 @@ at::Tensor PagedKvCache::Attend(int layer, const at::Tensor& q, const at::Tensor
   // A 16-bit cache stores the new keys and values rounded to nearest even (LibTorch's conversion).
   // float16 saturates at its largest finite value (+-65504) rather than becoming inf (inf would
   // turn the row's attention, and so its logprobs, into NaN).
-  auto stored = [&](const at::Tensor& x) {
+  auto stored = [&](const float* rows) {
+    at::Tensor x = at::from_blob(const_cast<float*>(rows), {num_tokens, token_stride}, at::kFloat);
     if (dtype_ == KvCacheDtype::kFloat32) return x;
     if (dtype_ == KvCacheDtype::kFloat16) return x.clamp(-65504.0, 65504.0).to(at::kHalf);
     return x.to(at::kBFloat16);
   };
-  const at::Tensor k_stored = stored(k), v_stored = stored(v);
+  const at::Tensor k_stored = stored(k_rows), v_stored = stored(v_rows);
   const uint8_t* k_new = static_cast<const uint8_t*>(k_stored.data_ptr());
   const uint8_t* v_new = static_cast<const uint8_t*>(v_stored.data_ptr());
   const int32_t* ids = layout_.block_ids.data();
 
   // 1. Store the new keys and values: row t of sequence s is position ctx - n_new + (t - start).
-  for (size_t s = 0; s + 1 < layout_.query_start.size(); ++s) {
+  const int32_t seq_begin = row_seq_[row_begin];
+  const int32_t seq_end = row_seq_[row_end - 1] + 1;
+  for (int32_t s = seq_begin; s < seq_end; ++s) {
     const int32_t start = layout_.query_start[s], n_new = layout_.query_start[s + 1] - start;
     const int32_t first_pos = layout_.context_lens[s] - n_new;
     const int32_t* table = ids + layout_.block_table_start[s];
     for (int32_t i = 0; i < n_new; ++i) {
       const int32_t p = first_pos + i;
       const int64_t offset = (table[p / block_size_] * block_stride + (p % block_size_) * token_stride) * elem;
-      std::memcpy(k_store + offset, k_new + (start + i) * token_bytes, token_bytes);
-      std::memcpy(v_store + offset, v_new + (start + i) * token_bytes, token_bytes);
+      const int64_t row = start + i - row_begin;
+      std::memcpy(k_store + offset, k_new + row * token_bytes, token_bytes);
+      std::memcpy(v_store + offset, v_new + row * token_bytes, token_bytes);
     }
     if (block_versions_ != nullptr && layer == 0) {
       const int32_t num_blocks = (layout_.context_lens[s] + block_size_ - 1) / block_size_;
@@ -242,16 +273,13 @@ at::Tensor PagedKvCache::Attend(int layer, const at::Tensor& q, const at::Tensor
   // prompt, the rows of one sequence's prefill chunk) form one work item, so that AttendTokens
   // reads those blocks once for all of them; other rows are items of their own. Rows are
   // independent (each writes its own output row), so grouping them never changes a result.
-  at::Tensor out = at::empty({num_tokens, n_heads, head_dim}, at::kFloat);
-  float* out_ptr = out.data_ptr<float>();
-  const float* q_ptr = q.data_ptr<float>();
   const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
   std::vector<kernels::TokenRow> rows(num_tokens);
   int64_t work = 0;  // multiply-adds of q.k and p.v
   for (int64_t t = 0; t < num_tokens; ++t) {
-    const int32_t s = row_seq_[t];
+    const int32_t s = row_seq_[row_begin + t];
     const int32_t n_new = layout_.query_start[s + 1] - layout_.query_start[s];
-    const int32_t p = layout_.context_lens[s] - n_new + static_cast<int32_t>(t - layout_.query_start[s]);
+    const int32_t p = layout_.context_lens[s] - n_new + static_cast<int32_t>(row_begin + t - layout_.query_start[s]);
     rows[t] = {q_ptr + t * n_heads * head_dim, out_ptr + t * n_heads * head_dim, ids + layout_.block_table_start[s],
                p + 1};
     work += p + 1;
@@ -301,7 +329,6 @@ at::Tensor PagedKvCache::Attend(int layer, const at::Tensor& q, const at::Tensor
       }
     }
   });
-  return out;
 }
 
 }  // namespace vroll::cache

@@ -45,7 +45,8 @@ struct PagedStepLayout {
   std::vector<int32_t> block_ids;          // concatenated block tables
 };
 
-/// Not thread-safe: the engine thread owns it. Attend parallelizes internally (at::parallel_for).
+/// Not thread-safe (the engine thread owns it), except AttendRows on disjoint runs of sequences.
+/// Attend parallelizes internally (at::parallel_for).
 class PagedKvCache : public policy::AttentionBackend {
  public:
   /// Allocates 2 * n_layers tensors of [num_blocks, block_size, n_kv_heads, head_dim] of
@@ -74,6 +75,17 @@ class PagedKvCache : public policy::AttentionBackend {
 
   at::Tensor Attend(int layer, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) override;
 
+  /// The layout's query_start (SetStep): AttendRows takes any run of whole sequences.
+  std::vector<int32_t> SequenceRowStarts() const override;
+
+  /// Attend for the rows [row_begin, row_end) of whole sequences only (else
+  /// std::invalid_argument); see policy::AttentionBackend::AttendRows. Concurrent calls on
+  /// disjoint runs are safe: a run writes only its own sequences' new slots (the block a sequence
+  /// writes is its own: the scheduler copies a shared last block before a fork writes to it) and
+  /// only reads shared prompt blocks; the layout and the version check are read only.
+  void AttendRows(int layer, const float* q, const float* k, const float* v, int64_t row_begin, int64_t row_end,
+                  float* out) override;
+
   int num_blocks() const { return num_blocks_; }
   int block_size() const { return block_size_; }
   KvCacheDtype dtype() const { return dtype_; }
@@ -88,6 +100,10 @@ class PagedKvCache : public policy::AttentionBackend {
   std::vector<at::Tensor> k_;  // per layer [num_blocks, block_size, n_kv_heads, head_dim]
   std::vector<at::Tensor> v_;
   PagedStepLayout layout_;
+  /// Stores and attends rows [row_begin, row_end) (whole sequences); q, k, v and out point at
+  /// row row_begin. Parallel over work items with at::parallel_for (inline inside a parallel region).
+  void AttendRange(int layer, const float* q, const float* k, const float* v, int64_t row_begin, int64_t row_end,
+                   float* out);
   /// Attention of `count` rows (one work item) over a 16-bit cache (see the .cc).
   void AttendSixteenBit(const kernels::TokenRow* rows, int64_t count, int32_t shared_keys, const uint8_t* k_store,
                         const uint8_t* v_store, float scale, std::vector<float>& scores) const;

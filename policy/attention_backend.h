@@ -14,6 +14,9 @@
 // slots or blocks belong to each sequence is its own business (set before Forward by its owner:
 // ContiguousKvCache::SetStep, cache::PagedKvCache::SetStep).
 
+#include <cstdint>
+#include <vector>
+
 #include <ATen/core/Tensor.h>
 
 namespace vroll::policy {
@@ -28,9 +31,29 @@ class AttentionBackend {
   ///   v: [num_tokens, n_kv_heads, head_dim]
   ///   returns [num_tokens, n_heads, head_dim]: softmax(q k^T / sqrt(head_dim)) v per head,
   ///   query head h reading kv head h / (n_heads / n_kv_heads) (grouped-query attention).
-  /// Called once per layer per step, layers in increasing order. Not thread-safe: the engine
-  /// thread owns the backend.
+  /// Called once per layer per step, layers in increasing order (unless the step runs as
+  /// micro-batches through AttendRows). Not thread-safe: the engine thread owns the backend.
   virtual at::Tensor Attend(int layer, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) = 0;
+
+  /// Micro-batches. The token rows at which this step's batch may be cut into runs of whole
+  /// sequences that AttendRows handles one at a time: the first row of every sequence, then
+  /// num_tokens (query_start). Empty (the default) when the backend has no AttendRows: the
+  /// forward pass then calls Attend over the whole batch.
+  virtual std::vector<int32_t> SequenceRowStarts() const { return {}; }
+
+  /// Attend for token rows [row_begin, row_end) of the step only, a run of whole sequences (cut
+  /// at SequenceRowStarts; else std::invalid_argument): stores their keys and values in layer
+  /// `layer` and writes their attention output. q [rows, n_heads, head_dim], k and v
+  /// [rows, n_kv_heads, head_dim], out [rows, n_heads, head_dim], contiguous fp32 starting at row
+  /// row_begin. Each layer's runs must together cover the step, layers in increasing order per
+  /// run; a run's result is bitwise what Attend gives for its rows (rows never depend on each
+  /// other). Thread safety: LlamaModel's CPU forward pass calls it from several intra-op threads
+  /// at once, each with its own run (a micro-batch), each run at its own layer: implementations
+  /// must allow concurrent calls on disjoint runs of sequences, and must not start parallel work
+  /// of their own (at::parallel_for runs inline there). Not concurrently with Attend or with the
+  /// owner's step set-up. The default throws std::logic_error.
+  virtual void AttendRows(int layer, const float* q, const float* k, const float* v, int64_t row_begin,
+                          int64_t row_end, float* out);
 };
 
 }  // namespace vroll::policy

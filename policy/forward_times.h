@@ -9,7 +9,8 @@ namespace vroll::policy {
 /// Seconds (std::chrono::steady_clock) of each part of LlamaModel's CPU forward pass, summed over
 /// every call that completed since the model was built (a call that throws adds nothing). Each
 /// part is timed on the calling thread around its parallel region, so it includes waiting for the
-/// region's other threads. The parts tile the pass from the embedding lookup to the logits
+/// region's other threads; in a step run as micro-batches (one per thread, each through all
+/// layers) a part is the mean over the micro-batches, and micro_batch_wait the rest. The parts tile the pass from the embedding lookup to the logits
 /// (input checks and scratch allocation before it are in none). All zero when the model runs on
 /// another device (LibTorch ops).
 struct ForwardTimes {
@@ -18,14 +19,17 @@ struct ForwardTimes {
   double layer_gemms = 0;  ///< the q/k/v, o, gate/up and down projections of every layer
   double lm_head = 0;      ///< the output head's GEMM: [logit rows, dim] x [vocab, dim]^T
   double other = 0;        ///< embedding lookup, RMSNorm, RoPE, SiLU x up, the logits' buffer
+  double micro_batch_wait = 0;  ///< steps run as micro-batches (one per thread): the layers' wall
+                                ///< time beyond the mean micro-batch's (waiting for the slowest)
 
-  double total() const { return attention + layer_gemms + lm_head + other; }
+  double total() const { return attention + layer_gemms + lm_head + other + micro_batch_wait; }
 
   ForwardTimes& operator+=(const ForwardTimes& o) {
     attention += o.attention;
     layer_gemms += o.layer_gemms;
     lm_head += o.lm_head;
     other += o.other;
+    micro_batch_wait += o.micro_batch_wait;
     return *this;
   }
 };

@@ -66,6 +66,13 @@ class LlamaModel {
   /// construction (policy/forward_times.h); zero on other devices. Same thread rules as Forward.
   const ForwardTimes& forward_times() const { return forward_times_; }
 
+  /// How many CPU Forward calls since construction ran as micro-batches: the step's rows cut at
+  /// sequence boundaries into one run per intra-op thread, each taken through every layer by its
+  /// own thread (the backend's AttendRows). Same results bit for bit as one batch; taken where
+  /// there are several threads, at least 8 rows per thread, a backend with SequenceRowStarts and
+  /// runs within 10% of the mean. Same thread rules as Forward.
+  int64_t micro_batch_forwards() const { return micro_batch_forwards_; }
+
   /// Canonical (Hugging Face) name -> parameter tensor, in ExpectedWeightShapes order. The
   /// tensors alias the model's storage: copying into them changes the model, and the CPU
   /// forward pass sees the change after RepackWeights(). A tied model lists only
@@ -129,6 +136,7 @@ class LlamaModel {
   at::Tensor rope_cos_;   // [max_seq_len, head_dim / 2]
   at::Tensor rope_sin_;   // [max_seq_len, head_dim / 2]
   mutable ForwardTimes forward_times_;  // written by ForwardCpu (Forward is const, one thread at a time)
+  mutable int64_t micro_batch_forwards_ = 0;  // likewise
   std::vector<Layer> layers_;
 };
 

@@ -9,6 +9,7 @@
 #include <utility>
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <c10/core/InferenceMode.h>
 #include <gtest/gtest.h>
 
@@ -353,6 +354,198 @@ TEST(PagedKvCacheTest, ModelForwardOverPagedCacheEqualsContiguous) {
   const at::Tensor want = model.Forward(packed.batch, contiguous);
   const at::Tensor got = model.Forward(packed.batch, paged);
   EXPECT_LE(MaxRelDiff(got, want), 1e-5);
+}
+
+// A step with many sequences runs as micro-batches (one run of whole sequences per thread, each
+// thread through every layer, attention through concurrent AttendRows calls). Oracle: the same
+// steps on one thread, where the model runs one batch through Attend. Logits and every stored key
+// and value must be the same bits, over a prefill step (chunks of different lengths, a prompt
+// that 8 forked samples then share) and decode steps, for 2, 3 and 4 threads.
+TEST(PagedKvCacheTest, ModelForwardAsMicroBatchesEqualsOneBatchBitForBit) {
+  c10::InferenceMode guard;
+  const int saved_threads = at::get_num_threads();
+  const policy::Checkpoint ckpt = policy::MakeDefaultCheckpoint(11);
+  policy::LlamaModel model(ckpt);
+  const ModelConfig& config = model.config();
+  constexpr int kBlockSize = 4, kNumBlocks = 256;
+  std::mt19937 rng(11);
+  auto token = [&] { return std::uniform_int_distribution<policy::TokenId>(3, config.vocab_size - 1)(rng); };
+
+  // Sequences 0-7: samples of one 10-token prompt (blocks 0-2, block 2 partly filled: each
+  // sample gets its own copy of it before writing, as the scheduler's copy-on-write does);
+  // sequences 8-19: their own prompts of 1-12 tokens.
+  struct Seq {
+    std::vector<policy::TokenId> tokens;
+    std::vector<int32_t> table;
+  };
+  std::vector<Seq> seqs(20);
+  int32_t next_block = kNumBlocks - 1;  // tables are not the identity
+  std::vector<policy::TokenId> prompt(10);
+  for (auto& t : prompt) t = token();
+  for (int s = 8; s < 20; ++s) {
+    seqs[s].tokens.resize(1 + s % 12);
+    for (auto& t : seqs[s].tokens) t = token();
+  }
+
+  struct Step {
+    std::vector<int> seqs;  // which sequences, in row order
+    std::vector<int> n_new;
+  };
+  auto run_step = [&](PagedKvCache& paged, const Step& step) {
+    PagedStepLayout layout;
+    layout.query_start = {0};
+    layout.block_table_start = {0};
+    policy::ForwardBatch batch;
+    for (size_t i = 0; i < step.seqs.size(); ++i) {
+      const Seq& seq = seqs[step.seqs[i]];
+      const int ctx = static_cast<int>(seq.tokens.size());
+      for (int p = ctx - step.n_new[i]; p < ctx; ++p) {
+        batch.token_ids.push_back(seq.tokens[p]);
+        batch.positions.push_back(p);
+      }
+      layout.query_start.push_back(static_cast<int32_t>(batch.token_ids.size()));
+      batch.logits_rows.push_back(layout.query_start.back() - 1);
+      layout.context_lens.push_back(ctx);
+      layout.block_ids.insert(layout.block_ids.end(), seq.table.begin(), seq.table.end());
+      layout.block_table_start.push_back(static_cast<int32_t>(layout.block_ids.size()));
+    }
+    paged.SetStep(layout);
+    return model.Forward(batch, paged).clone();
+  };
+  auto grow_tables = [&] {
+    for (Seq& seq : seqs) {
+      while (static_cast<int>(seq.table.size()) * kBlockSize < static_cast<int>(seq.tokens.size())) {
+        seq.table.push_back(next_block--);
+      }
+    }
+  };
+
+  // Step 1: the shared prompt (as sequence 0) and the 12 other prompts, whole.
+  seqs[0].tokens = prompt;
+  grow_tables();
+  Step prefill;
+  prefill.seqs = {0, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19};
+  for (int s : prefill.seqs) prefill.n_new.push_back(static_cast<int>(seqs[s].tokens.size()));
+  // Decode steps: every sequence adds one token; samples 1-7 fork from sequence 0 first.
+  std::vector<Step> steps = {prefill};
+  std::vector<std::vector<std::vector<policy::TokenId>>> new_tokens(3, std::vector<std::vector<policy::TokenId>>(20));
+  for (auto& per_step : new_tokens) {
+    for (auto& t : per_step) t = {token()};
+  }
+
+  for (int threads : {2, 3, 4}) {
+    // Fresh state for each thread count: the oracle run (1 thread) and the micro-batched one.
+    std::vector<Seq> start = seqs;
+    PagedKvCache oracle(config, kNumBlocks, kBlockSize), subject(config, kNumBlocks, kBlockSize);
+    auto run_both = [&](const Step& step, const std::string& what, bool micro_batched) {
+      at::set_num_threads(1);
+      const at::Tensor want = run_step(oracle, step);
+      at::set_num_threads(threads);
+      const int64_t before = model.micro_batch_forwards();
+      const at::Tensor got = run_step(subject, step);
+      EXPECT_EQ(model.micro_batch_forwards(), before + (micro_batched ? 1 : 0))
+          << what << ", " << threads << " threads";
+      EXPECT_TRUE(at::equal(got, want)) << what << ", " << threads << " threads";
+    };
+    // The prefill's 88 rows: sequences of 10, 9, 10, 11, 12, 1, ..., 8 rows. Cut for 2 threads
+    // at row 40 and for 3 at rows 29 and 58; for 4 the cuts nearest a quarter leave 27 rows in
+    // one run (mean 22): one batch.
+    run_both(prefill, "prefill", threads < 4);
+    // Fork: samples 1-7 share blocks 0 and 1 of sequence 0's table, and copy its partly filled
+    // last block into one of their own.
+    std::vector<std::pair<int32_t, int32_t>> copies;
+    for (int s = 1; s < 8; ++s) {
+      seqs[s].tokens = prompt;
+      seqs[s].table = {seqs[0].table[0], seqs[0].table[1], next_block--};
+      copies.emplace_back(seqs[0].table[2], seqs[s].table[2]);
+    }
+    oracle.CopyBlocks(copies);
+    subject.CopyBlocks(copies);
+    for (int d = 0; d < 3; ++d) {
+      Step decode;
+      for (int s = 0; s < 20; ++s) {
+        seqs[s].tokens.push_back(new_tokens[d][s][0]);
+        decode.seqs.push_back(s);
+        decode.n_new.push_back(1);
+      }
+      grow_tables();
+      run_both(decode, "decode step " + std::to_string(d), true);  // 20 rows: 2 runs of 10
+    }
+    for (int l = 0; l < config.n_layers; ++l) {
+      EXPECT_TRUE(at::equal(subject.keys(l), oracle.keys(l))) << "keys of layer " << l << ", " << threads << " threads";
+      EXPECT_TRUE(at::equal(subject.values(l), oracle.values(l))) << "values of layer " << l;
+    }
+    seqs = start;
+  }
+  at::set_num_threads(saved_threads);
+}
+
+// Where micro-batches would not pay (or cannot be cut), the step runs as one batch: one thread,
+// fewer than 8 rows per thread, one long prefill chunk that cannot be cut near the middle, a
+// backend without AttendRows. A step of 16 decode rows on 2 threads is micro-batched.
+TEST(PagedKvCacheTest, ModelForwardRunsAsOneBatchWhereMicroBatchesDoNotFit) {
+  c10::InferenceMode guard;
+  const int saved_threads = at::get_num_threads();
+  policy::LlamaModel model(policy::MakeDefaultCheckpoint(12));
+  PagedKvCache paged(model.config(), 64, 4);
+  // `lens[s]` tokens of sequence s, all new this step; each sequence its own blocks.
+  auto forward = [&](const std::vector<int>& lens, policy::AttentionBackend* backend = nullptr) {
+    PagedStepLayout layout;
+    layout.query_start = {0};
+    layout.block_table_start = {0};
+    policy::ForwardBatch batch;
+    int32_t block = 0;
+    for (int len : lens) {
+      for (int p = 0; p < len; ++p) {
+        batch.token_ids.push_back(5 + p);
+        batch.positions.push_back(p);
+      }
+      layout.query_start.push_back(static_cast<int32_t>(batch.token_ids.size()));
+      batch.logits_rows.push_back(layout.query_start.back() - 1);
+      layout.context_lens.push_back(len);
+      for (int b = 0; b * 4 < len; ++b) layout.block_ids.push_back(block++);
+      layout.block_table_start.push_back(static_cast<int32_t>(layout.block_ids.size()));
+    }
+    paged.SetStep(layout);
+    const int64_t before = model.micro_batch_forwards();
+    if (backend == nullptr) {
+      model.Forward(batch, paged);
+    } else {
+      model.Forward(batch, *backend);
+    }
+    return model.micro_batch_forwards() - before;
+  };
+  const std::vector<int> sixteen_decodes(16, 1);
+  at::set_num_threads(2);
+  EXPECT_EQ(forward(sixteen_decodes), 1);
+  EXPECT_EQ(forward(std::vector<int>(15, 1)), 0) << "7.5 rows per thread";
+  EXPECT_EQ(forward({40}), 0) << "one sequence";
+  EXPECT_EQ(forward({30, 2, 2, 2}), 0) << "no cut within 10% of the middle";
+  ContiguousKvCache contiguous(model.config(), 16);
+  std::vector<int> slots(16), query_start(17), context(16, 1);
+  std::iota(slots.begin(), slots.end(), 0);
+  std::iota(query_start.begin(), query_start.end(), 0);
+  contiguous.SetStep(slots, query_start, context);
+  EXPECT_EQ(forward(sixteen_decodes, &contiguous), 0) << "a backend without AttendRows";
+  at::set_num_threads(1);
+  EXPECT_EQ(forward(sixteen_decodes), 0) << "one thread";
+  at::set_num_threads(saved_threads);
+}
+
+TEST(PagedKvCacheTest, AttendRowsRejectsRowsThatAreNotWholeSequences) {
+  c10::InferenceMode guard;
+  const ModelConfig config = policy::DefaultModelConfig();
+  PagedKvCache paged(config, 8, 4);
+  paged.SetStep(PagedStepLayout{{0, 3, 4}, {3, 1}, {0, 1, 2}, {0, 1}});  // rows 0-2: sequence 0, row 3: sequence 1
+  EXPECT_EQ(paged.SequenceRowStarts(), (std::vector<int32_t>{0, 3, 4}));
+  std::vector<float> q(4 * config.n_heads * config.head_dim()), kv(4 * config.kv_dim()), out(q.size());
+  EXPECT_THROW(paged.AttendRows(0, q.data(), kv.data(), kv.data(), 0, 2, out.data()), std::invalid_argument);
+  EXPECT_THROW(paged.AttendRows(0, q.data(), kv.data(), kv.data(), 1, 4, out.data()), std::invalid_argument);
+  EXPECT_THROW(paged.AttendRows(0, q.data(), kv.data(), kv.data(), 3, 3, out.data()), std::invalid_argument);
+  EXPECT_NO_THROW(paged.AttendRows(0, q.data(), kv.data(), kv.data(), 3, 4, out.data()));
+  ContiguousKvCache contiguous(config, 1);
+  EXPECT_TRUE(contiguous.SequenceRowStarts().empty());
+  EXPECT_THROW(contiguous.AttendRows(0, q.data(), kv.data(), kv.data(), 0, 1, out.data()), std::logic_error);
 }
 
 }  // namespace
