@@ -360,7 +360,7 @@ TEST(PagedKvCacheTest, ModelForwardOverPagedCacheEqualsContiguous) {
 // thread through every layer, attention through concurrent AttendRows calls). Oracle: the same
 // steps on one thread, where the model runs one batch through Attend. Logits and every stored key
 // and value must be the same bits, over a prefill step (chunks of different lengths, a prompt
-// that 8 forked samples then share) and decode steps, for 2, 3 and 4 threads.
+// that 8 forked samples then share) and decode steps, for 2, 3 and 4 threads, over fp32, bfloat16 and float16 caches.
 TEST(PagedKvCacheTest, ModelForwardAsMicroBatchesEqualsOneBatchBitForBit) {
   c10::InferenceMode guard;
   const int saved_threads = at::get_num_threads();
@@ -429,14 +429,20 @@ TEST(PagedKvCacheTest, ModelForwardAsMicroBatchesEqualsOneBatchBitForBit) {
   // Decode steps: every sequence adds one token; samples 1-7 fork from sequence 0 first.
   std::vector<Step> steps = {prefill};
   std::vector<std::vector<std::vector<policy::TokenId>>> new_tokens(3, std::vector<std::vector<policy::TokenId>>(20));
-  for (auto& per_step : new_tokens) {
-    for (auto& t : per_step) t = {token()};
+  for (size_t d = 0; d < new_tokens.size(); ++d) {
+    for (size_t s = 0; s < new_tokens[d].size(); ++s) {
+      // The last step: sequences 8-19 add a chunk of 3 tokens over their cached context.
+      new_tokens[d][s] = d == 2 && s >= 8 ? std::vector<policy::TokenId>{token(), token(), token()}
+                                          : std::vector<policy::TokenId>{token()};
+    }
   }
 
+  for (KvCacheDtype dtype : {KvCacheDtype::kFloat32, KvCacheDtype::kBFloat16, KvCacheDtype::kFloat16}) {
   for (int threads : {2, 3, 4}) {
     // Fresh state for each thread count: the oracle run (1 thread) and the micro-batched one.
-    std::vector<Seq> start = seqs;
-    PagedKvCache oracle(config, kNumBlocks, kBlockSize), subject(config, kNumBlocks, kBlockSize);
+    const std::vector<Seq> start = seqs;
+    const int32_t start_block = next_block;
+    PagedKvCache oracle(config, kNumBlocks, kBlockSize, dtype), subject(config, kNumBlocks, kBlockSize, dtype);
     auto run_both = [&](const Step& step, const std::string& what, bool micro_batched) {
       at::set_num_threads(1);
       const at::Tensor want = run_step(oracle, step);
@@ -445,7 +451,7 @@ TEST(PagedKvCacheTest, ModelForwardAsMicroBatchesEqualsOneBatchBitForBit) {
       const at::Tensor got = run_step(subject, step);
       EXPECT_EQ(model.micro_batch_forwards(), before + (micro_batched ? 1 : 0))
           << what << ", " << threads << " threads";
-      EXPECT_TRUE(at::equal(got, want)) << what << ", " << threads << " threads";
+      EXPECT_TRUE(at::equal(got, want)) << what << ", " << threads << " threads, " << KvCacheDtypeName(dtype);
     };
     // The prefill's 88 rows: sequences of 10, 9, 10, 11, 12, 1, ..., 8 rows. Cut for 2 threads
     // at row 40 and for 3 at rows 29 and 58; for 4 the cuts nearest a quarter leave 27 rows in
@@ -464,18 +470,22 @@ TEST(PagedKvCacheTest, ModelForwardAsMicroBatchesEqualsOneBatchBitForBit) {
     for (int d = 0; d < 3; ++d) {
       Step decode;
       for (int s = 0; s < 20; ++s) {
-        seqs[s].tokens.push_back(new_tokens[d][s][0]);
+        seqs[s].tokens.insert(seqs[s].tokens.end(), new_tokens[d][s].begin(), new_tokens[d][s].end());
         decode.seqs.push_back(s);
-        decode.n_new.push_back(1);
+        decode.n_new.push_back(static_cast<int>(new_tokens[d][s].size()));
       }
       grow_tables();
-      run_both(decode, "decode step " + std::to_string(d), true);  // 20 rows: 2 runs of 10
+      // 20 rows (2 runs of 10), then 44: cut at row 23 for 2 threads, 14 and 29 for 3, 11, 23
+      // and 32 for 4.
+      run_both(decode, "step " + std::to_string(d) + " after the prefill", true);
     }
     for (int l = 0; l < config.n_layers; ++l) {
       EXPECT_TRUE(at::equal(subject.keys(l), oracle.keys(l))) << "keys of layer " << l << ", " << threads << " threads";
       EXPECT_TRUE(at::equal(subject.values(l), oracle.values(l))) << "values of layer " << l;
     }
     seqs = start;
+    next_block = start_block;
+  }
   }
   at::set_num_threads(saved_threads);
 }
