@@ -147,7 +147,16 @@ std::vector<SamplingTarget> Scheduler::PrepareSampling(const StepPlan& plan) {
     Sequence* seq = s.seq;
     targets.push_back({row, seq});
     if (seq->num_forks_pending > 0) {
-      // The prompt is complete: fork the group's other samples off it, sharing every block.
+      // The prompt is complete: fork the group's other samples off it, sharing every block. They
+      // join the running list right after it (same arrival: the list stays in arrival order), so
+      // a group's rows stay together in later steps' batches: the forward pass's micro-batches
+      // (runs of whole sequences, one per thread) then hold whole groups and read each prompt's
+      // keys and values once. Appended at the end instead, a GRPO step's first run held every
+      // parent and the second only forks: its attention read 64 prompts against 37 and took
+      // ~15% longer (Zen 5 VM, 64 x 8 samples, 2 threads).
+      auto after = std::find_if(running_.begin(), running_.end(), [seq](const auto& p) { return p.get() == seq; });
+      VROLL_CHECK(after != running_.end(), "sequence {} forks but is not running", seq->id);
+      ++after;
       const int n = seq->request->request.n;
       for (int k = n - seq->num_forks_pending; k < n; ++k) {
         auto child = std::make_unique<Sequence>(next_seq_id_++, seq->request, k, seq->arrival);
@@ -161,7 +170,7 @@ std::vector<SamplingTarget> Scheduler::PrepareSampling(const StepPlan& plan) {
         child->was_admitted = true;
         kv_->Fork(seq->id, child->id);
         targets.push_back({row, child.get()});
-        running_.push_back(std::move(child));
+        after = running_.insert(after, std::move(child)) + 1;
       }
       seq->num_forks_pending = 0;
     }

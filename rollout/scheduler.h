@@ -140,7 +140,7 @@ class Scheduler {
   cache::SeqId next_seq_id_ = 0;
   uint64_t next_arrival_ = 0;
   std::deque<std::unique_ptr<Sequence>> waiting_;
-  std::vector<std::unique_ptr<Sequence>> running_;  // admission order (oldest first)
+  std::vector<std::unique_ptr<Sequence>> running_;  // admission order (oldest first); forks right after their group's first sample
   int64_t num_preemptions_ = 0;
 };
 

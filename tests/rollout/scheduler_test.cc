@@ -111,6 +111,19 @@ TEST_F(SchedulerTest, GroupPrefillsOnceThenForksAllSamples) {
   EXPECT_EQ(kv_->stats().num_cow_copies, 3);
 }
 
+// Forked samples join the running list right after their group's first sample, so a group's
+// rows stay together in the batch (the forward pass cuts steps into runs of whole sequences, one
+// per thread: a run then holds whole groups and reads their prompt once). Appended at the end,
+// the decode order was a/0 b/0 a/1 a/2 b/1.
+TEST_F(SchedulerTest, ForkedSamplesRunRightAfterTheirGroupsFirstSample) {
+  Init(64, 4, 64);
+  Add("a", 6, 3, 2);
+  Add("b", 5, 2, 2);
+  EXPECT_EQ(Step(), (V{"a/0:6s", "b/0:5s"}));
+  EXPECT_EQ(Step(), (V{"a/0:1s", "a/1:1s", "a/2:1s", "b/0:1s", "b/1:1s"}));
+  ASSERT_EQ(results_.size(), 5u);
+}
+
 TEST_F(SchedulerTest, OutOfBlocksPreemptsTheNewestAndRecomputesIt) {
   Init(6, 4, 64);  // 24 token slots
   Add("old", 7, 1, 9);  // computes up to 15 tokens = 4 blocks each: 8 > 6, so one is preempted
