@@ -95,6 +95,46 @@ void PagedKvCache::SetStep(PagedStepLayout layout) {
       throw std::invalid_argument(fmt::format("PagedKvCache::SetStep: block id {} outside [0, {})", b, num_blocks_));
     }
   }
+  // A block that a sequence writes this step must be in no other sequence's table: its other
+  // readers would see this step's keys in slots past their own context (a 16-bit cache converts
+  // whole blocks), and AttendRows runs sequences on several threads at once. The scheduler's
+  // copy-on-write guarantees it (a forked sample copies a shared last block before writing).
+  if (writer_.size() != static_cast<size_t>(num_blocks_)) writer_.assign(static_cast<size_t>(num_blocks_), -1);
+  std::vector<int32_t> written;  // reset to -1 on the way out, so the scratch stays all -1
+  auto check = [&] {
+    for (size_t s = 0; s < num_seqs; ++s) {
+      const int32_t n_new = layout.query_start[s + 1] - layout.query_start[s];
+      const int32_t* table = layout.block_ids.data() + layout.block_table_start[s];
+      const int32_t first = (layout.context_lens[s] - n_new) / block_size_;
+      const int32_t last = (layout.context_lens[s] - 1) / block_size_;
+      for (int32_t j = first; j <= last; ++j) {
+        if (writer_[table[j]] >= 0 && writer_[table[j]] != static_cast<int32_t>(s)) {
+          throw std::invalid_argument(fmt::format("PagedKvCache::SetStep: sequences {} and {} both write block {}",
+                                                  writer_[table[j]], s, table[j]));
+        }
+        writer_[table[j]] = static_cast<int32_t>(s);
+        written.push_back(table[j]);
+      }
+    }
+    for (size_t s = 0; s < num_seqs; ++s) {
+      const int32_t num_read = (layout.context_lens[s] + block_size_ - 1) / block_size_;
+      const int32_t* table = layout.block_ids.data() + layout.block_table_start[s];
+      for (int32_t j = 0; j < num_read; ++j) {
+        if (writer_[table[j]] >= 0 && writer_[table[j]] != static_cast<int32_t>(s)) {
+          throw std::invalid_argument(fmt::format(
+              "PagedKvCache::SetStep: sequence {} writes block {}, which sequence {} reads in the same step",
+              writer_[table[j]], table[j], s));
+        }
+      }
+    }
+  };
+  try {
+    check();
+  } catch (...) {
+    for (int32_t b : written) writer_[b] = -1;
+    throw;
+  }
+  for (int32_t b : written) writer_[b] = -1;
   layout_ = std::move(layout);
 }
 
@@ -224,6 +264,7 @@ void PagedKvCache::AttendRows(int layer, const float* q, const float* k, const f
 void PagedKvCache::AttendRange(int layer, const float* q_ptr, const float* k_rows, const float* v_rows,
                                int64_t row_begin, int64_t row_end, float* out_ptr) {
   const int64_t num_tokens = row_end - row_begin;
+  if (num_tokens <= 0) return;  // an empty step
   const int n_heads = config_.n_heads, n_kv = config_.n_kv_heads, head_dim = config_.head_dim();
   const int group = n_heads / n_kv;
   const int64_t token_stride = int64_t{n_kv} * head_dim;  // between positions within a block, elements

@@ -61,7 +61,8 @@ class PagedKvCache : public policy::AttentionBackend {
                                KvCacheDtype dtype = KvCacheDtype::kFloat32);
 
   /// Sets the layout of the next Forward. Throws std::invalid_argument on inconsistent sizes,
-  /// block ids outside [0, num_blocks), or a table too short for its context.
+  /// block ids outside [0, num_blocks), a table too short for its context, or a block that one
+  /// sequence writes (its new tokens' blocks) and another's table also holds (O(table entries)).
   void SetStep(PagedStepLayout layout);
 
   /// Turns on the version check (issue: policy versioning): every block a step reads must carry
@@ -80,9 +81,10 @@ class PagedKvCache : public policy::AttentionBackend {
 
   /// Attend for the rows [row_begin, row_end) of whole sequences only (else
   /// std::invalid_argument); see policy::AttentionBackend::AttendRows. Concurrent calls on
-  /// disjoint runs are safe: a run writes only its own sequences' new slots (the block a sequence
-  /// writes is its own: the scheduler copies a shared last block before a fork writes to it) and
-  /// only reads shared prompt blocks; the layout and the version check are read only.
+  /// disjoint runs are safe: a block that a sequence writes in the step is in no other
+  /// sequence's table (SetStep checks it), so a run writes only blocks no other run touches, and
+  /// the blocks runs share (a prompt, prefix-cache hits) are only read; the layout and the
+  /// version check are read only.
   void AttendRows(int layer, const float* q, const float* k, const float* v, int64_t row_begin, int64_t row_end,
                   float* out) override;
 
@@ -108,6 +110,7 @@ class PagedKvCache : public policy::AttentionBackend {
   void AttendSixteenBit(const kernels::TokenRow* rows, int64_t count, int32_t shared_keys, const uint8_t* k_store,
                         const uint8_t* v_store, float scale, std::vector<float>& scores) const;
   std::vector<int32_t> row_seq_;  // [num_tokens]: the sequence of each token row
+  std::vector<int32_t> writer_;   // [num_blocks]: SetStep's scratch (all -1 between calls): the sequence writing each block
   const std::vector<PolicyVersion>* block_versions_ = nullptr;
   PolicyVersion expected_version_ = 0;
 };

@@ -15,6 +15,8 @@
 // ContiguousKvCache::SetStep, cache::PagedKvCache::SetStep).
 
 #include <cstdint>
+#include <stdexcept>
+#include <string>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
@@ -52,8 +54,11 @@ class AttentionBackend {
   /// must allow concurrent calls on disjoint runs of sequences, and must not start parallel work
   /// of their own (at::parallel_for runs inline there). Not concurrently with Attend or with the
   /// owner's step set-up. The default throws std::logic_error.
-  virtual void AttendRows(int layer, const float* q, const float* k, const float* v, int64_t row_begin,
-                          int64_t row_end, float* out);
+  virtual void AttendRows(int /*layer*/, const float* /*q*/, const float* /*k*/, const float* /*v*/,
+                          int64_t row_begin, int64_t row_end, float* /*out*/) {
+    throw std::logic_error("AttentionBackend::AttendRows(rows [" + std::to_string(row_begin) + ", " +
+                           std::to_string(row_end) + ")): this backend attends whole steps only");
+  }
 };
 
 }  // namespace vroll::policy

@@ -64,15 +64,19 @@ void ForRows(int64_t m, int64_t row_elems, F&& f) {
 /// rows [cuts[i], cuts[i+1]), each a run of whole sequences (the cut nearest i * t / n among the
 /// backend's SequenceRowStarts). Empty (one batch, every operation shared out over the threads)
 /// on one thread, inside a parallel region, where the backend cannot attend a run of sequences,
-/// where a micro-batch would get fewer than kMinRows rows (GEMM register tiles too short for the
-/// weights each thread then reads whole), or where the cuts leave a micro-batch 10% above the
-/// mean (the step waits for the largest; e.g. one long prefill chunk).
-std::vector<int64_t> MicroBatchCuts(const AttentionBackend& kv, int64_t t) {
+/// where a thread would get fewer than kMinRows rows (GEMM register tiles too short for the
+/// weights each thread then reads whole) or no run at all, where the cuts leave a run 10% above
+/// the mean (the step waits for the largest; e.g. one long prefill chunk), or where the layers'
+/// packed weights exceed kMaxLayerWeightBytes: every thread reads every layer weight, and the
+/// gain was measured only with weights that mostly stay in the last-level cache (15M shape: 24
+/// MB); larger models keep the one-batch schedule, which reads each weight once, until measured.
+std::vector<int64_t> MicroBatchCuts(const AttentionBackend& kv, int64_t t, int64_t layer_weight_bytes) {
   // Zen 5 VM, 15M shape, in-process A/B per decode step: 8 rows per thread 0.93 of the one-batch
   // time, 4 rows 1.07.
   constexpr int64_t kMinRows = 8;
-  const int64_t n = std::min<int64_t>(at::get_num_threads(), t / kMinRows);
-  if (n < 2 || at::in_parallel_region()) return {};
+  constexpr int64_t kMaxLayerWeightBytes = int64_t{64} << 20;
+  const int64_t n = at::get_num_threads();
+  if (n < 2 || t < n * kMinRows || layer_weight_bytes > kMaxLayerWeightBytes || at::in_parallel_region()) return {};
   const std::vector<int32_t> starts = kv.SequenceRowStarts();
   if (starts.empty() || starts.back() != t) return {};
   std::vector<int64_t> cuts = {0};
@@ -99,12 +103,6 @@ const HostTensor& Get(const WeightMap& weights, const std::string& name) {
 }
 
 }  // namespace
-
-void AttentionBackend::AttendRows(int /*layer*/, const float* /*q*/, const float* /*k*/, const float* /*v*/,
-                                  int64_t row_begin, int64_t row_end, float* /*out*/) {
-  throw std::logic_error(fmt::format("AttentionBackend::AttendRows(rows [{}, {})): this backend attends whole steps "
-                                     "only (SequenceRowStarts is empty)", row_begin, row_end));
-}
 
 void ParallelLinear(const float* x, int64_t m, int64_t k, const float* packed, int64_t n, const float* bias,
                     float* y, int64_t ldy, bool accumulate, bool stream_output) {
@@ -221,6 +219,12 @@ void LlamaModel::RepackWeights() {
     Pack(layer.w_down, layer.packed_down);
   }
   Pack(lm_head_, packed_lm_head_);
+  layer_weight_bytes_ = 0;
+  for (const Layer& layer : layers_) {
+    for (const at::Tensor* packed : {&layer.packed_qkv, &layer.packed_o, &layer.packed_gate_up, &layer.packed_down}) {
+      layer_weight_bytes_ += static_cast<int64_t>(packed->nbytes());
+    }
+  }
 }
 
 std::vector<at::Tensor> LlamaModel::PackedWeightSources() const {
@@ -296,8 +300,8 @@ at::Tensor LlamaModel::ForwardCpu(const ForwardBatch& batch, AttentionBackend& k
   // gate/up, SiLU x up, down), around attention. Inside a parallel region (a micro-batch, below)
   // their at::parallel_for calls run inline on the micro-batch's thread. `lap` charges the time
   // since the last lap to a part of ForwardTimes.
-  at::Tensor attn = at::empty({t, n_heads, head_dim}, at::kFloat);  // [t, n_heads, head_dim]
-  float* attnp = attn.data_ptr<float>();
+  at::Tensor attn;  // [t, n_heads, head_dim]
+  float* attnp = nullptr;
   auto embed_rows = [&](int64_t r0, int64_t r1) {
     for (int64_t i = r0; i < r1; ++i) std::memcpy(xp + i * dim, embed + batch.token_ids[i] * dim, sizeof(float) * dim);
   };
@@ -346,7 +350,7 @@ at::Tensor LlamaModel::ForwardCpu(const ForwardBatch& batch, AttentionBackend& k
     lap(&ForwardTimes::layer_gemms);
   };
 
-  const std::vector<int64_t> cuts = MicroBatchCuts(kv, t);
+  const std::vector<int64_t> cuts = MicroBatchCuts(kv, t, layer_weight_bytes_);
   if (cuts.empty()) {
     // One batch: each operation over all rows, shared out over the threads (GEMMs by column
     // tiles, row kernels by rows, attention by groups of rows).
@@ -372,6 +376,8 @@ at::Tensor LlamaModel::ForwardCpu(const ForwardBatch& batch, AttentionBackend& k
     // paired steps, 3 runs each): the forward pass 0.94-0.95 of the one-batch time at batch 64,
     // 0.95-0.96 at 32, 0.93 at 16.
     const int64_t n = static_cast<int64_t>(cuts.size()) - 1;
+    attn = at::empty({t, n_heads, head_dim}, at::kFloat);
+    attnp = attn.data_ptr<float>();
     std::vector<ForwardTimes> per_thread(n);
     at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
       for (int64_t b = begin; b < end; ++b) {

@@ -69,8 +69,9 @@ class LlamaModel {
   /// How many CPU Forward calls since construction ran as micro-batches: the step's rows cut at
   /// sequence boundaries into one run per intra-op thread, each taken through every layer by its
   /// own thread (the backend's AttendRows). Same results bit for bit as one batch; taken where
-  /// there are several threads, at least 8 rows per thread, a backend with SequenceRowStarts and
-  /// runs within 10% of the mean. Same thread rules as Forward.
+  /// there are several threads, at least 8 rows per thread, a backend with SequenceRowStarts,
+  /// runs within 10% of the mean, and the layers' packed weights at most 64 MiB (measured only
+  /// there). Same thread rules as Forward.
   int64_t micro_batch_forwards() const { return micro_batch_forwards_; }
 
   /// Canonical (Hugging Face) name -> parameter tensor, in ExpectedWeightShapes order. The
@@ -137,6 +138,7 @@ class LlamaModel {
   at::Tensor rope_sin_;   // [max_seq_len, head_dim / 2]
   mutable ForwardTimes forward_times_;  // written by ForwardCpu (Forward is const, one thread at a time)
   mutable int64_t micro_batch_forwards_ = 0;  // likewise
+  int64_t layer_weight_bytes_ = 0;  // the layers' packed GEMM weights (RepackWeights), bytes
   std::vector<Layer> layers_;
 };
 

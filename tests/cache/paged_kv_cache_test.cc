@@ -2,6 +2,7 @@
 // on random lengths, random chunking and scattered block ids, for block sizes 1, 4 and 16.
 
 #include <algorithm>
+#include <chrono>
 #include <numeric>
 #include <random>
 #include <string>
@@ -371,8 +372,9 @@ TEST(PagedKvCacheTest, ModelForwardAsMicroBatchesEqualsOneBatchBitForBit) {
   std::mt19937 rng(11);
   auto token = [&] { return std::uniform_int_distribution<policy::TokenId>(3, config.vocab_size - 1)(rng); };
 
-  // Sequences 0-7: samples of one 10-token prompt (blocks 0-2, block 2 partly filled: each
-  // sample gets its own copy of it before writing, as the scheduler's copy-on-write does);
+  // Sequences 0-7: samples of one 22-token prompt (blocks 0-5, block 5 partly filled: each
+  // sample gets its own copy of it before writing, as the scheduler's copy-on-write does; 20
+  // shared keys, so attention visits them once for the group's rows in a run);
   // sequences 8-19: their own prompts of 1-12 tokens.
   struct Seq {
     std::vector<policy::TokenId> tokens;
@@ -380,7 +382,7 @@ TEST(PagedKvCacheTest, ModelForwardAsMicroBatchesEqualsOneBatchBitForBit) {
   };
   std::vector<Seq> seqs(20);
   int32_t next_block = kNumBlocks - 1;  // tables are not the identity
-  std::vector<policy::TokenId> prompt(10);
+  std::vector<policy::TokenId> prompt(22);
   for (auto& t : prompt) t = token();
   for (int s = 8; s < 20; ++s) {
     seqs[s].tokens.resize(1 + s % 12);
@@ -453,31 +455,34 @@ TEST(PagedKvCacheTest, ModelForwardAsMicroBatchesEqualsOneBatchBitForBit) {
           << what << ", " << threads << " threads";
       EXPECT_TRUE(at::equal(got, want)) << what << ", " << threads << " threads, " << KvCacheDtypeName(dtype);
     };
-    // The prefill's 88 rows: sequences of 10, 9, 10, 11, 12, 1, ..., 8 rows. Cut for 2 threads
-    // at row 40 and for 3 at rows 29 and 58; for 4 the cuts nearest a quarter leave 27 rows in
-    // one run (mean 22): one batch.
+    // The prefill's 100 rows: sequences of 22, 9, 10, 11, 12, 1, ..., 8 rows. Cut for 2 threads
+    // at row 52 and for 3 at rows 31 and 65; for 4 the cuts nearest a quarter leave 30 rows in
+    // one run (mean 25): one batch.
     run_both(prefill, "prefill", threads < 4);
-    // Fork: samples 1-7 share blocks 0 and 1 of sequence 0's table, and copy its partly filled
-    // last block into one of their own.
+    // Fork: samples 1-7 share blocks 0-4 of sequence 0's table, and copy its partly filled last
+    // block into one of their own.
     std::vector<std::pair<int32_t, int32_t>> copies;
     for (int s = 1; s < 8; ++s) {
       seqs[s].tokens = prompt;
-      seqs[s].table = {seqs[0].table[0], seqs[0].table[1], next_block--};
-      copies.emplace_back(seqs[0].table[2], seqs[s].table[2]);
+      seqs[s].table = {seqs[0].table.begin(), seqs[0].table.begin() + 5};
+      seqs[s].table.push_back(next_block--);
+      copies.emplace_back(seqs[0].table[5], seqs[s].table[5]);
     }
     oracle.CopyBlocks(copies);
     subject.CopyBlocks(copies);
     for (int d = 0; d < 3; ++d) {
+      // Rows: sequences 8-13, the group (0-7), 14-19, so that a cut falls inside the group.
       Step decode;
-      for (int s = 0; s < 20; ++s) {
+      for (int s : {8, 9, 10, 11, 12, 13, 0, 1, 2, 3, 4, 5, 6, 7, 14, 15, 16, 17, 18, 19}) {
         seqs[s].tokens.insert(seqs[s].tokens.end(), new_tokens[d][s].begin(), new_tokens[d][s].end());
         decode.seqs.push_back(s);
         decode.n_new.push_back(static_cast<int>(new_tokens[d][s].size()));
       }
       grow_tables();
-      // 20 rows (2 runs of 10), then 44: cut at row 23 for 2 threads, 14 and 29 for 3, 11, 23
-      // and 32 for 4.
-      run_both(decode, "step " + std::to_string(d) + " after the prefill", true);
+      // 20 rows: 2 runs of 10 (the group's rows 6-9 and 10-13) on 2 threads, too few rows for 3
+      // or 4. Then 44 rows: cut at row 22 (inside the group) for 2 threads, 15 and 29 for 3, 12,
+      // 22 and 32 for 4.
+      run_both(decode, "step " + std::to_string(d) + " after the prefill", d == 2 || threads == 2);
     }
     for (int l = 0; l < config.n_layers; ++l) {
       EXPECT_TRUE(at::equal(subject.keys(l), oracle.keys(l))) << "keys of layer " << l << ", " << threads << " threads";
@@ -491,15 +496,18 @@ TEST(PagedKvCacheTest, ModelForwardAsMicroBatchesEqualsOneBatchBitForBit) {
 }
 
 // Where micro-batches would not pay (or cannot be cut), the step runs as one batch: one thread,
-// fewer than 8 rows per thread, one long prefill chunk that cannot be cut near the middle, a
-// backend without AttendRows. A step of 16 decode rows on 2 threads is micro-batched.
+// fewer than 8 rows per thread, one long prefill chunk, runs 10% off the mean, a backend without
+// AttendRows, layers of more than 64 MiB of packed weights. A step of 16 decode rows on 2 threads
+// is micro-batched, and its forward times still tile the pass.
 TEST(PagedKvCacheTest, ModelForwardRunsAsOneBatchWhereMicroBatchesDoNotFit) {
   c10::InferenceMode guard;
   const int saved_threads = at::get_num_threads();
   policy::LlamaModel model(policy::MakeDefaultCheckpoint(12));
   PagedKvCache paged(model.config(), 64, 4);
-  // `lens[s]` tokens of sequence s, all new this step; each sequence its own blocks.
-  auto forward = [&](const std::vector<int>& lens, policy::AttentionBackend* backend = nullptr) {
+  // `lens[s]` tokens of sequence s, all new this step, each sequence its own blocks; returns
+  // whether the step ran as micro-batches.
+  auto forward = [](const policy::LlamaModel& m, PagedKvCache& kv, const std::vector<int>& lens,
+                    policy::AttentionBackend* backend = nullptr) {
     PagedStepLayout layout;
     layout.query_start = {0};
     layout.block_table_start = {0};
@@ -516,30 +524,68 @@ TEST(PagedKvCacheTest, ModelForwardRunsAsOneBatchWhereMicroBatchesDoNotFit) {
       for (int b = 0; b * 4 < len; ++b) layout.block_ids.push_back(block++);
       layout.block_table_start.push_back(static_cast<int32_t>(layout.block_ids.size()));
     }
-    paged.SetStep(layout);
-    const int64_t before = model.micro_batch_forwards();
-    if (backend == nullptr) {
-      model.Forward(batch, paged);
-    } else {
-      model.Forward(batch, *backend);
-    }
-    return model.micro_batch_forwards() - before;
+    kv.SetStep(layout);
+    const int64_t before = m.micro_batch_forwards();
+    m.Forward(batch, backend == nullptr ? static_cast<policy::AttentionBackend&>(kv) : *backend);
+    return m.micro_batch_forwards() - before;
   };
   const std::vector<int> sixteen_decodes(16, 1);
   at::set_num_threads(2);
-  EXPECT_EQ(forward(sixteen_decodes), 1);
-  EXPECT_EQ(forward(std::vector<int>(15, 1)), 0) << "7.5 rows per thread";
-  EXPECT_EQ(forward({40}), 0) << "one sequence";
-  EXPECT_EQ(forward({30, 2, 2, 2}), 0) << "no cut within 10% of the middle";
+  const policy::ForwardTimes before = model.forward_times();
+  const auto start = std::chrono::steady_clock::now();
+  EXPECT_EQ(forward(model, paged, sixteen_decodes), 1);
+  const double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  const policy::ForwardTimes& after = model.forward_times();
+  EXPECT_GT(after.attention, before.attention);
+  EXPECT_GT(after.layer_gemms, before.layer_gemms);
+  EXPECT_GT(after.other, before.other);
+  EXPECT_GT(after.lm_head, before.lm_head);
+  EXPECT_GE(after.micro_batch_wait, before.micro_batch_wait);
+  EXPECT_LE(after.total() - before.total(), wall);
+
+  EXPECT_EQ(forward(model, paged, std::vector<int>(15, 1)), 0) << "7.5 rows per thread";
+  EXPECT_EQ(forward(model, paged, {40}), 0) << "one sequence";
+  EXPECT_EQ(forward(model, paged, {30, 2, 2, 2}), 0) << "runs of 30 and 6 rows";
+  EXPECT_EQ(forward(model, paged, {20, 8, 8}), 0) << "runs of 20 and 16 rows: 11% above the mean";
+  EXPECT_EQ(forward(model, paged, {18, 8, 8}), 1) << "runs of 18 and 16 rows";
   ContiguousKvCache contiguous(model.config(), 16);
   std::vector<int> slots(16), query_start(17), context(16, 1);
   std::iota(slots.begin(), slots.end(), 0);
   std::iota(query_start.begin(), query_start.end(), 0);
   contiguous.SetStep(slots, query_start, context);
-  EXPECT_EQ(forward(sixteen_decodes, &contiguous), 0) << "a backend without AttendRows";
+  EXPECT_EQ(forward(model, paged, sixteen_decodes, &contiguous), 0) << "a backend without AttendRows";
+
+  // 2 layers of 1024 x 1024 attention and 2 x 2816 x 1024 + 1024 x 2816 feed-forward weights:
+  // 101 MB packed.
+  ModelConfig big = policy::DefaultModelConfig();
+  big.dim = 1024;
+  big.hidden_dim = 2816;
+  big.n_layers = 2;
+  big.n_heads = 8;
+  big.n_kv_heads = 8;
+  big.vocab_size = 64;
+  big.max_seq_len = 32;
+  policy::LlamaModel big_model(policy::MakeRandomCheckpoint(big, 3));
+  PagedKvCache big_paged(big, 16, 4);
+  EXPECT_EQ(forward(big_model, big_paged, sixteen_decodes), 0) << "101 MB of layer weights";
+
   at::set_num_threads(1);
-  EXPECT_EQ(forward(sixteen_decodes), 0) << "one thread";
+  EXPECT_EQ(forward(model, paged, sixteen_decodes), 0) << "one thread";
   at::set_num_threads(saved_threads);
+}
+
+// Two sequences may share blocks only to read them: SetStep rejects a step in which a block that
+// one sequence writes is in another's table (AttendRows runs sequences on several threads).
+TEST(PagedKvCacheTest, SetStepRejectsABlockOneSequenceWritesAndAnotherHolds) {
+  PagedKvCache paged(policy::DefaultModelConfig(), 8, 4);
+  // Both write block 1 (positions 4 and 5 of their contexts).
+  EXPECT_THROW(paged.SetStep(PagedStepLayout{{0, 1, 2}, {5, 6}, {0, 2, 4}, {0, 1, 0, 1}}), std::invalid_argument);
+  // Sequence 1 writes block 1 (position 5), which sequence 0 reads (context 9: blocks 0, 1, 2;
+  // it writes block 2).
+  EXPECT_THROW(paged.SetStep(PagedStepLayout{{0, 1, 2}, {9, 6}, {0, 3, 5}, {0, 1, 2, 3, 1}}), std::invalid_argument);
+  // Sharing a full block that neither writes: fine, and the scratch holds nothing of the rejected steps.
+  EXPECT_NO_THROW(paged.SetStep(PagedStepLayout{{0, 1, 2}, {5, 6}, {0, 2, 4}, {0, 2, 0, 3}}));
+  EXPECT_NO_THROW(paged.SetStep(PagedStepLayout{{0, 1, 2}, {5, 6}, {0, 2, 4}, {0, 1, 0, 3}}));
 }
 
 TEST(PagedKvCacheTest, AttendRowsRejectsRowsThatAreNotWholeSequences) {
