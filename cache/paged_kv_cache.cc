@@ -245,6 +245,16 @@ at::Tensor PagedKvCache::Attend(int layer, const at::Tensor& q, const at::Tensor
 
 std::vector<int32_t> PagedKvCache::SequenceRowStarts() const { return layout_.query_start; }
 
+std::vector<double> PagedKvCache::SequenceAttentionBytes() const {
+  const double bytes_per_key = 2.0 * config_.kv_dim() * KvCacheDtypeBytes(dtype_);
+  std::vector<double> out(layout_.context_lens.size());
+  for (size_t s = 0; s < out.size(); ++s) {
+    const double n_new = layout_.query_start[s + 1] - layout_.query_start[s], ctx = layout_.context_lens[s];
+    out[s] = bytes_per_key * (n_new * ctx - n_new * (n_new - 1) / 2);  // keys ctx - n_new + 1 ... ctx
+  }
+  return out;
+}
+
 void PagedKvCache::AttendRows(int layer, const float* q, const float* k, const float* v, int64_t row_begin,
                               int64_t row_end, float* out) {
   c10::InferenceMode guard;

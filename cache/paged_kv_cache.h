@@ -79,6 +79,11 @@ class PagedKvCache : public policy::AttentionBackend {
   /// The layout's query_start (SetStep): AttendRows takes any run of whole sequences.
   std::vector<int32_t> SequenceRowStarts() const override;
 
+  /// Per sequence: its rows' keys (context_lens - n_new + 1, ..., context_lens) x 2 x kv_dim x
+  /// the element size of dtype(). Shared blocks (a GRPO group's prompt) are counted for every
+  /// reader, though grouped rows read them once.
+  std::vector<double> SequenceAttentionBytes() const override;
+
   /// Attend for the rows [row_begin, row_end) of whole sequences only (else
   /// std::invalid_argument); see policy::AttentionBackend::AttendRows. Concurrent calls on
   /// disjoint runs are safe: a block that a sequence writes in the step is in no other

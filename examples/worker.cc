@@ -106,7 +106,12 @@ int main(int argc, char** argv) {
   app.add_flag("--no-spare-weights", no_spare_weights,
                "apply weight updates in place (copy, then repack at the engine's safe point): the weights take "
                "2x their fp32 size instead of 4x, and each update stalls generation for about one pass over them");
+  bool no_micro_batches = false;
+  app.add_flag("--no-micro-batches", no_micro_batches,
+               "run every step as one batch, each operation shared out over the threads, instead of one run of "
+               "sequences per thread through all layers (same outputs bit for bit; for comparison)");
   CLI11_PARSE(app, argc, argv);
+  engine_config.micro_batches = !no_micro_batches;
   if (no_spare_weights) {
     engine_config.swap_weight_buffers = false;
     engine_config.prepack_weights = false;

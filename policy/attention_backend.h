@@ -43,6 +43,13 @@ class AttentionBackend {
   /// forward pass then calls Attend over the whole batch.
   virtual std::vector<int32_t> SequenceRowStarts() const { return {}; }
 
+  /// Micro-batches. Per sequence of the step (in SequenceRowStarts order), the bytes of keys and
+  /// values its rows read in one layer: for rows at positions p (p + 1 keys each),
+  /// sum (p + 1) x 2 x n_kv_heads x head_dim x the cache's element size. The forward pass weighs
+  /// runs by it, so that a thread given the longest contexts does not hold up the others. Empty
+  /// (the default): runs are weighed by rows only.
+  virtual std::vector<double> SequenceAttentionBytes() const { return {}; }
+
   /// Attend for token rows [row_begin, row_end) of the step only, a run of whole sequences (cut
   /// at SequenceRowStarts; else std::invalid_argument): stores their keys and values in layer
   /// `layer` and writes their attention output. q [rows, n_heads, head_dim], k and v

@@ -61,39 +61,41 @@ void ForRows(int64_t m, int64_t row_elems, F&& f) {
 }
 
 /// Where ForwardCpu cuts a step's t token rows into micro-batches, one per intra-op thread:
-/// rows [cuts[i], cuts[i+1]), each a run of whole sequences (the cut nearest i * t / n among the
-/// backend's SequenceRowStarts). Empty (one batch, every operation shared out over the threads)
-/// on one thread, inside a parallel region, where the backend cannot attend a run of sequences,
-/// where a thread would get fewer than kMinRows rows (GEMM register tiles too short for the
-/// weights each thread then reads whole) or no run at all, where the cuts leave a run 10% above
-/// the mean (the step waits for the largest; e.g. one long prefill chunk), or where the layers'
-/// packed weights exceed kMaxLayerWeightBytes: every thread reads every layer weight, and the
-/// gain was measured only with weights that mostly stay in the last-level cache (15M shape: 24
-/// MB); larger models keep the one-batch schedule, which reads each weight once, until measured.
-std::vector<int64_t> MicroBatchCuts(const AttentionBackend& kv, int64_t t, int64_t layer_weight_bytes) {
+/// rows [cuts[i], cuts[i+1]), each a run of whole sequences, weighed by their cost
+/// (detail::MicroBatchCuts): per sequence, its rows' layer GEMMs plus its attention's reads of
+/// keys and values (the backend's SequenceAttentionBytes; by rows alone without them). Empty
+/// (one batch, every operation shared out over the threads) on one thread, inside a parallel
+/// region, where the backend cannot attend a run of sequences, where detail::MicroBatchCuts
+/// finds no fitting cut, or where the layers' packed weights exceed kMaxLayerWeightBytes: every
+/// thread reads every layer weight, and the gain was measured only with weights that mostly stay
+/// in the last-level cache (15M shape: 24 MB); larger models keep the one-batch schedule, which
+/// reads each weight once, until measured.
+std::vector<int64_t> MicroBatchCuts(const AttentionBackend& kv, int64_t t, int64_t layer_weight_bytes, int n_layers) {
   // Zen 5 VM, 15M shape, in-process A/B per decode step: 8 rows per thread 0.93 of the one-batch
   // time, 4 rows 1.07.
   constexpr int64_t kMinRows = 8;
   constexpr int64_t kMaxLayerWeightBytes = int64_t{64} << 20;
+  // A row's layer GEMMs against attention's reads of keys and values: on the Zen 5 VM (15M shape,
+  // batch 64 decode, one micro-batch per core) the layer GEMMs ran at ~140 GFLOP/s per core and
+  // attention read at ~19 GB/s per core: 8 FLOPs cost about what one byte read costs. (Fitted
+  // per pass from the threads' part times, it came out at 6.5-10 on a batch of spread contexts;
+  // a fitted weight would mix prefill steps, whose attention is compute-bound, with decodes, and
+  // a fixed one keeps the cuts a function of the step alone.)
+  constexpr double kFlopsPerAttentionByte = 8.0;
   const int64_t n = at::get_num_threads();
   if (n < 2 || t < n * kMinRows || layer_weight_bytes > kMaxLayerWeightBytes || at::in_parallel_region()) return {};
   const std::vector<int32_t> starts = kv.SequenceRowStarts();
   if (starts.empty() || starts.back() != t) return {};
-  std::vector<int64_t> cuts = {0};
-  for (int64_t i = 1; i < n; ++i) {
-    const int64_t want = i * t / n;
-    int64_t best = 0;
-    for (int32_t row : starts) {
-      if (std::abs(row - want) < std::abs(best - want)) best = row;
-    }
-    if (best <= cuts.back()) return {};
-    cuts.push_back(best);
+  std::vector<double> costs = kv.SequenceAttentionBytes();
+  if (costs.size() + 1 == starts.size()) {
+    // Costs in bytes read: per row, 2 FLOPs per packed layer weight (floats); per layer, the
+    // attention bytes.
+    const double row_cost = 2.0 * static_cast<double>(layer_weight_bytes) / sizeof(float) / kFlopsPerAttentionByte;
+    for (size_t s = 0; s < costs.size(); ++s) costs[s] = (starts[s + 1] - starts[s]) * row_cost + n_layers * costs[s];
+  } else {
+    costs.clear();  // by rows
   }
-  cuts.push_back(t);
-  for (size_t i = 0; i + 1 < cuts.size(); ++i) {
-    if (cuts[i + 1] - cuts[i] < kMinRows || 10 * (cuts[i + 1] - cuts[i]) * n > 11 * t) return {};
-  }
-  return cuts;
+  return detail::MicroBatchCuts(starts, costs, n, kMinRows);
 }
 
 const HostTensor& Get(const WeightMap& weights, const std::string& name) {
@@ -103,6 +105,41 @@ const HostTensor& Get(const WeightMap& weights, const std::string& name) {
 }
 
 }  // namespace
+
+namespace detail {
+
+std::vector<int64_t> MicroBatchCuts(const std::vector<int32_t>& row_starts, const std::vector<double>& seq_costs,
+                                    int64_t num_runs, int64_t min_rows) {
+  const size_t num_seqs = row_starts.empty() ? 0 : row_starts.size() - 1;
+  if (num_runs < 2 || num_seqs < 2) return {};
+  // cum[s]: the cost of sequences [0, s).
+  std::vector<double> cum(num_seqs + 1, 0.0);
+  for (size_t s = 0; s < num_seqs; ++s) {
+    cum[s + 1] = cum[s] + (seq_costs.empty() ? static_cast<double>(row_starts[s + 1] - row_starts[s]) : seq_costs[s]);
+  }
+  const double total = cum[num_seqs];
+  if (!(total > 0)) return {};
+  std::vector<int64_t> cuts = {0};
+  std::vector<size_t> cut_seqs = {0};
+  for (int64_t i = 1; i < num_runs; ++i) {
+    const double want = total * static_cast<double>(i) / static_cast<double>(num_runs);
+    // The first boundary at or past `want`, or the one before it if nearer.
+    size_t s = static_cast<size_t>(std::lower_bound(cum.begin(), cum.end(), want) - cum.begin());
+    if (s > 0 && (s == cum.size() || want - cum[s - 1] <= cum[s] - want)) --s;
+    if (s <= cut_seqs.back() || s >= num_seqs) return {};
+    cuts.push_back(row_starts[s]);
+    cut_seqs.push_back(s);
+  }
+  cuts.push_back(row_starts[num_seqs]);
+  cut_seqs.push_back(num_seqs);
+  for (size_t i = 0; i + 1 < cuts.size(); ++i) {
+    const double run_cost = cum[cut_seqs[i + 1]] - cum[cut_seqs[i]];
+    if (cuts[i + 1] - cuts[i] < min_rows || 10 * run_cost * static_cast<double>(num_runs) > 11 * total) return {};
+  }
+  return cuts;
+}
+
+}  // namespace detail
 
 void ParallelLinear(const float* x, int64_t m, int64_t k, const float* packed, int64_t n, const float* bias,
                     float* y, int64_t ldy, bool accumulate, bool stream_output) {
@@ -150,7 +187,8 @@ void ParallelLinear(const float* x, int64_t m, int64_t k, const float* packed, i
 }
 
 LlamaModel::LlamaModel(const Checkpoint& checkpoint, const ModelOptions& options)
-    : config_(checkpoint.config), device_(options.device), batch_invariant_(options.batch_invariant) {
+    : config_(checkpoint.config), device_(options.device), batch_invariant_(options.batch_invariant),
+      micro_batches_(options.micro_batches) {
   c10::InferenceMode guard;
   config_.Validate("model config");
   ValidateWeights(config_, checkpoint.weights, "model");
@@ -350,7 +388,8 @@ at::Tensor LlamaModel::ForwardCpu(const ForwardBatch& batch, AttentionBackend& k
     lap(&ForwardTimes::layer_gemms);
   };
 
-  const std::vector<int64_t> cuts = MicroBatchCuts(kv, t, layer_weight_bytes_);
+  const std::vector<int64_t> cuts =
+      micro_batches_ ? MicroBatchCuts(kv, t, layer_weight_bytes_, config_.n_layers) : std::vector<int64_t>{};
   if (cuts.empty()) {
     // One batch: each operation over all rows, shared out over the threads (GEMMs by column
     // tiles, row kernels by rows, attention by groups of rows).

@@ -38,6 +38,11 @@ struct ModelOptions {
   /// <= 18 rows on some shapes, identical from 19 to 2100 rows.)
   bool batch_invariant = true;
   static constexpr int64_t kMinGemmRows = 32;
+  /// CPU forward pass: run steps that fit as micro-batches, one run of whole sequences per
+  /// intra-op thread (see LlamaModel::micro_batch_forwards). Same bits either way; off, every
+  /// step runs as one batch, each operation shared out over the threads (for comparison or
+  /// diagnosis: the Zen 5 VM measured micro-batches ~5% faster at batch 64).
+  bool micro_batches = true;
 };
 
 /// Immutable shape; weights change only through NamedParameters() followed by RepackWeights()
@@ -70,8 +75,10 @@ class LlamaModel {
   /// sequence boundaries into one run per intra-op thread, each taken through every layer by its
   /// own thread (the backend's AttendRows). Same results bit for bit as one batch; taken where
   /// there are several threads, at least 8 rows per thread, a backend with SequenceRowStarts,
-  /// runs within 10% of the mean, and the layers' packed weights at most 64 MiB (measured only
-  /// there). Same thread rules as Forward.
+  /// runs within 10% of the mean cost (rows' layer GEMMs plus the backend's
+  /// SequenceAttentionBytes; detail::MicroBatchCuts), and the layers' packed weights at most
+  /// 64 MiB (measured only there); never with ModelOptions::micro_batches off. Same thread rules
+  /// as Forward.
   int64_t micro_batch_forwards() const { return micro_batch_forwards_; }
 
   /// Canonical (Hugging Face) name -> parameter tensor, in ExpectedWeightShapes order. The
@@ -130,6 +137,7 @@ class LlamaModel {
   ModelConfig config_;
   c10::Device device_;
   bool batch_invariant_;
+  bool micro_batches_;
   at::Tensor embed_;      // [vocab_size, dim]
   at::Tensor lm_head_;    // [vocab_size, dim]; same storage as embed_ when tied
   at::Tensor final_norm_; // [dim]
@@ -141,5 +149,21 @@ class LlamaModel {
   int64_t layer_weight_bytes_ = 0;  // the layers' packed GEMM weights (RepackWeights), bytes
   std::vector<Layer> layers_;
 };
+
+namespace detail {
+
+/// Where a step is cut into `num_runs` micro-batches (LlamaModel's CPU forward pass): row
+/// indices cuts[0] = 0 < cuts[1] < ... < cuts[num_runs] = row_starts.back(), each cut a sequence
+/// boundary (row_starts: the first row of each sequence, then the number of rows), or empty
+/// (run the step as one batch). seq_costs: one cost per sequence, >= 0, in any unit (empty: each
+/// sequence costs its rows). Cut i is the boundary whose cumulative cost is nearest
+/// i x total / num_runs, so every run costs at most the mean plus the costliest sequence. Empty
+/// when num_runs < 2, fewer than 2 sequences, two cuts coincide, a run has fewer than min_rows
+/// rows, or a run costs more than 1.1 x the mean (the step would wait for it; e.g. one long
+/// prefill chunk). Pure; thread-safe.
+std::vector<int64_t> MicroBatchCuts(const std::vector<int32_t>& row_starts, const std::vector<double>& seq_costs,
+                                    int64_t num_runs, int64_t min_rows);
+
+}  // namespace detail
 
 }  // namespace vroll::policy

@@ -95,7 +95,7 @@ Engine::Engine(const policy::Checkpoint& checkpoint, const EngineConfig& config)
   runner_ = std::make_unique<ModelRunner>(
       checkpoint, ModelRunnerConfig{num_blocks, config_.block_size, config_.check_block_versions,
                                     config_.batch_invariant, config_.swap_weight_buffers,
-                                    config_.prepack_weights, config_.kv_cache_dtype});
+                                    config_.prepack_weights, config_.kv_cache_dtype, config_.micro_batches});
   spare_buffers_ = runner_->StagingBuffers();
   cache::KvCacheConfig kv_config;
   kv_config.num_blocks = num_blocks;
@@ -141,10 +141,11 @@ Engine::Engine(const policy::Checkpoint& checkpoint, const EngineConfig& config)
   PublishStats();
   Logger("rollout").info(
       "engine: {} KV blocks x {} tokens ({:.1f} MiB of {}, {:.1f} MiB of it on huge pages), max_num_seqs {}, "
-      "max_num_batched_tokens {}, max_pending_requests {}, prefix caching {}; weight updates {}",
+      "max_num_batched_tokens {}, max_pending_requests {}, prefix caching {}, micro-batches {}; weight updates {}",
       num_blocks, config_.block_size, num_blocks * bytes_per_block / 1048576.0,
       cache::KvCacheDtypeName(config_.kv_cache_dtype), runner_->kv_huge_page_bytes() / 1048576.0, config_.max_num_seqs,
       config_.max_num_batched_tokens, config_.max_pending_requests, config_.enable_prefix_caching ? "on" : "off",
+      config_.micro_batches ? "on" : "off",
       !config_.swap_weight_buffers ? "applied in place (copy + repack at the safe point)"
       : config_.prepack_weights    ? "staged in spare buffers, packed while staged, swapped"
                                    : "staged in spare buffers, swapped, repacked at the safe point");
@@ -413,6 +414,7 @@ bool Engine::StepOwned() {
   runner_->Execute(plan, *kv_, version, config_.check_block_versions ? &kv_->block_versions() : nullptr);
   counters_.forward_seconds += seconds_since(mark);
   counters_.forward_parts = runner_->forward_times();
+  counters_.num_micro_batch_steps = runner_->micro_batch_forwards();
   const std::vector<SamplingTarget> targets = scheduler_->PrepareSampling(plan);
   const std::vector<TokenChoice> choices = runner_->Sample(targets);
   counters_.sample_seconds += seconds_since(mark);

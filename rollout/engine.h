@@ -60,6 +60,9 @@ struct EngineConfig {
   bool swap_weight_buffers = true;
   /// See ModelRunnerConfig::prepack_weights (off: the safe point repacks every update).
   bool prepack_weights = true;
+  /// CPU forward pass as micro-batches where a step fits (policy::ModelOptions::micro_batches);
+  /// off (vroll-worker --no-micro-batches): every step as one batch. Same outputs bit for bit.
+  bool micro_batches = true;
 
   /// Throws policy::ConfigError naming the field.
   void Validate() const;
@@ -122,6 +125,9 @@ struct EngineStats {
   int peak_used_blocks = 0;    ///< most blocks in use after any step
   double prefix_hit_rate = 0;  ///< prompt tokens served from the prefix cache / prompt tokens admitted
   int64_t num_steps = 0;
+  /// Steps whose CPU forward pass ran as micro-batches (policy::LlamaModel::micro_batch_forwards;
+  /// none with EngineConfig::micro_batches off).
+  int64_t num_micro_batch_steps = 0;
   int64_t num_prefill_tokens = 0;   ///< prompt (and recompute) tokens computed
   int64_t num_generated_tokens = 0;
   int64_t num_preemptions = 0;

@@ -22,6 +22,7 @@ namespace {
 policy::ModelOptions MakeOptions(const ModelRunnerConfig& config) {
   policy::ModelOptions options;
   options.batch_invariant = config.batch_invariant;
+  options.micro_batches = config.micro_batches;
   return options;
 }
 }  // namespace
@@ -186,6 +187,8 @@ ModelRunner::~ModelRunner() = default;
 const policy::ModelConfig& ModelRunner::model_config() const { return impl_->model.config(); }
 
 const policy::ForwardTimes& ModelRunner::forward_times() const { return impl_->model.forward_times(); }
+
+int64_t ModelRunner::micro_batch_forwards() const { return impl_->model.micro_batch_forwards(); }
 
 std::vector<policy::ParamSpec> ModelRunner::ParamSpecs() const {
   std::vector<policy::ParamSpec> specs;

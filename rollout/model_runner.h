@@ -37,6 +37,8 @@ struct ModelRunnerConfig {
   bool prepack_weights = true;
   /// Element type of the paged KV storage (see cache::KvCacheDtype).
   cache::KvCacheDtype kv_cache_dtype = cache::KvCacheDtype::kFloat32;
+  /// See policy::ModelOptions::micro_batches.
+  bool micro_batches = true;
 };
 
 /// Not thread-safe: the engine thread owns it.
@@ -52,6 +54,8 @@ class ModelRunner {
   /// Seconds of the model's CPU forward pass by part, summed over every Execute
   /// (policy::LlamaModel::forward_times).
   const policy::ForwardTimes& forward_times() const;
+  /// Execute calls whose forward pass ran as micro-batches (policy::LlamaModel::micro_batch_forwards).
+  int64_t micro_batch_forwards() const;
 
   /// Performs `plan.copies`, then one forward over the plan's packed tokens, block tables from
   /// `kv`. Keeps the logits of each sampling sequence's last row for Sample().

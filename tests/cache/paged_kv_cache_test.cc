@@ -480,9 +480,10 @@ TEST(PagedKvCacheTest, ModelForwardAsMicroBatchesEqualsOneBatchBitForBit) {
       }
       grow_tables();
       // 20 rows: 2 runs of 10 (the group's rows 6-9 and 10-13) on 2 threads, too few rows for 3
-      // or 4. Then 44 rows: cut at row 22 (inside the group) for 2 threads, 15 and 29 for 3, 12,
-      // 22 and 32 for 4.
-      run_both(decode, "step " + std::to_string(d) + " after the prefill", d == 2 || threads == 2);
+      // or 4. Then 44 rows: cut at row 22 (inside the group) for 2 threads, 15 and 29 for 3; for
+      // 4 the cuts nearest a quarter of the cost leave a run more than 10% above the mean: one
+      // batch.
+      run_both(decode, "step " + std::to_string(d) + " after the prefill", d == 2 ? threads < 4 : threads == 2);
     }
     for (int l = 0; l < config.n_layers; ++l) {
       EXPECT_TRUE(at::equal(subject.keys(l), oracle.keys(l))) << "keys of layer " << l << ", " << threads << " threads";
@@ -496,9 +497,10 @@ TEST(PagedKvCacheTest, ModelForwardAsMicroBatchesEqualsOneBatchBitForBit) {
 }
 
 // Where micro-batches would not pay (or cannot be cut), the step runs as one batch: one thread,
-// fewer than 8 rows per thread, one long prefill chunk, runs 10% off the mean, a backend without
-// AttendRows, layers of more than 64 MiB of packed weights. A step of 16 decode rows on 2 threads
-// is micro-batched, and its forward times still tile the pass.
+// fewer than 8 rows per thread, one long prefill chunk, runs more than 10% above the mean cost, a
+// run under 8 rows once cut by cost, a backend without AttendRows, layers of more than 64 MiB of
+// packed weights. A step of 16 decode rows on 2 threads is micro-batched, and its forward times
+// still tile the pass; so is a step whose runs are balanced only by cost (long contexts first).
 TEST(PagedKvCacheTest, ModelForwardRunsAsOneBatchWhereMicroBatchesDoNotFit) {
   c10::InferenceMode guard;
   const int saved_threads = at::get_num_threads();
@@ -546,8 +548,45 @@ TEST(PagedKvCacheTest, ModelForwardRunsAsOneBatchWhereMicroBatchesDoNotFit) {
   EXPECT_EQ(forward(model, paged, std::vector<int>(15, 1)), 0) << "7.5 rows per thread";
   EXPECT_EQ(forward(model, paged, {40}), 0) << "one sequence";
   EXPECT_EQ(forward(model, paged, {30, 2, 2, 2}), 0) << "runs of 30 and 6 rows";
-  EXPECT_EQ(forward(model, paged, {20, 8, 8}), 0) << "runs of 20 and 16 rows: 11% above the mean";
-  EXPECT_EQ(forward(model, paged, {18, 8, 8}), 1) << "runs of 18 and 16 rows";
+  // Runs are weighed by cost: here a row's layer GEMMs (45824 bytes' worth: 183 K packed floats x
+  // 2 FLOPs / 8) plus 1 KiB of keys and values per key over the 4 layers.
+  EXPECT_EQ(forward(model, paged, {20, 8, 8}), 0) << "runs of 20 and 16 rows: 1.17 x the mean cost";
+  EXPECT_EQ(forward(model, paged, {16, 8, 8}), 1) << "runs of 16 and 16 rows: 1.04 x the mean cost";
+  // Decodes (one new row per sequence) at the given contexts, each sequence its own blocks.
+  auto decodes = [&](const std::vector<int>& contexts) {
+    int num_blocks = 0;
+    for (int ctx : contexts) num_blocks += (ctx + 3) / 4;
+    PagedKvCache kv(model.config(), num_blocks, 4);
+    PagedStepLayout layout;
+    layout.query_start = {0};
+    layout.block_table_start = {0};
+    policy::ForwardBatch batch;
+    for (size_t s = 0; s < contexts.size(); ++s) {
+      batch.token_ids.push_back(5 + static_cast<int>(s));
+      batch.positions.push_back(contexts[s] - 1);
+      layout.query_start.push_back(static_cast<int32_t>(s + 1));
+      batch.logits_rows.push_back(static_cast<int32_t>(s));
+      layout.context_lens.push_back(contexts[s]);
+      for (int b = 0; b * 4 < contexts[s]; ++b) layout.block_ids.push_back(static_cast<int32_t>(layout.block_ids.size()));
+      layout.block_table_start.push_back(static_cast<int32_t>(layout.block_ids.size()));
+    }
+    kv.SetStep(layout);
+    const int64_t before = model.micro_batch_forwards();
+    model.Forward(batch, kv);
+    return model.micro_batch_forwards() - before;
+  };
+  // The longest contexts first, as in a continuous batch's running list (oldest first). 8
+  // sequences at 60 keys (cost 107264 each) and 24 at 1 key (46848): by rows the cut would be at
+  // 16, the first run 1.24 x the mean cost; by cost it is at sequence 11 (runs of 11 and 21 rows,
+  // 1.007 and 0.993 x the mean): micro-batches.
+  std::vector<int> contexts(32, 1);
+  std::fill(contexts.begin(), contexts.begin() + 8, 60);
+  EXPECT_EQ(decodes(contexts), 1) << "32 decodes, the 8 longest contexts first";
+  // 8 at 100 keys (148224) and 8 at 1: by rows, runs of 8 and 8; by cost the cut falls at
+  // sequence 5, a run of 5 rows under the 8-row floor: one batch.
+  contexts.assign(16, 1);
+  std::fill(contexts.begin(), contexts.begin() + 8, 100);
+  EXPECT_EQ(decodes(contexts), 0) << "16 decodes, the 8 longest contexts first";
   ContiguousKvCache contiguous(model.config(), 16);
   std::vector<int> slots(16), query_start(17), context(16, 1);
   std::iota(slots.begin(), slots.end(), 0);
@@ -594,6 +633,13 @@ TEST(PagedKvCacheTest, AttendRowsRejectsRowsThatAreNotWholeSequences) {
   PagedKvCache paged(config, 8, 4);
   paged.SetStep(PagedStepLayout{{0, 3, 4}, {3, 1}, {0, 1, 2}, {0, 1}});  // rows 0-2: sequence 0, row 3: sequence 1
   EXPECT_EQ(paged.SequenceRowStarts(), (std::vector<int32_t>{0, 3, 4}));
+  // Keys read: sequence 0's rows at positions 0, 1, 2 read 1 + 2 + 3; sequence 1's row, 1. Each
+  // key and value is kv_dim elements of 4 bytes (fp32) or 2 (bf16).
+  const double key_bytes = 2.0 * config.kv_dim() * 4;
+  EXPECT_EQ(paged.SequenceAttentionBytes(), (std::vector<double>{6 * key_bytes, 1 * key_bytes}));
+  PagedKvCache half(config, 8, 4, KvCacheDtype::kBFloat16);
+  half.SetStep(PagedStepLayout{{0, 2, 3}, {5, 2}, {0, 2, 3}, {0, 1, 2}});  // rows at positions 3, 4 and 1
+  EXPECT_EQ(half.SequenceAttentionBytes(), (std::vector<double>{(4 + 5) * key_bytes / 2, 2 * key_bytes / 2}));
   std::vector<float> q(4 * config.n_heads * config.head_dim()), kv(4 * config.kv_dim()), out(q.size());
   EXPECT_THROW(paged.AttendRows(0, q.data(), kv.data(), kv.data(), 0, 2, out.data()), std::invalid_argument);
   EXPECT_THROW(paged.AttendRows(0, q.data(), kv.data(), kv.data(), 1, 4, out.data()), std::invalid_argument);

@@ -3,9 +3,12 @@
 // between RoPE layouts and between GQA and its expanded multi-head equivalent; the forward
 // pass's threaded GEMM against one single-threaded kernel call.
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
+#include <numeric>
 #include <random>
 #include <string>
 #include <vector>
@@ -308,6 +311,113 @@ TEST(ParallelLinearTest, EqualsOneLinearTilesCallBitwiseForAnyThreadsAndRows) {
   }
   at::set_num_threads(saved_threads);
   EXPECT_EQ(cases, 5 * 4 * 7 * 4);
+}
+
+// detail::MicroBatchCuts against a brute force over every way to cut the sequences into runs:
+// for 2 runs its cut is the optimum (the largest run as small as any cut makes it); for 3 and 4,
+// within its bound (the mean plus the costliest sequence); the result is empty exactly when the
+// brute force's own check of the nearest-target cuts (min rows, 10% above the mean, coinciding
+// cuts) says so.
+TEST(MicroBatchCutsTest, BalancesRunCostsAsABruteForceOracleSays) {
+  std::mt19937 rng(5);
+  int checked = 0, optimal_pairs = 0;
+  for (int trial = 0; trial < 1000; ++trial) {
+    const int num_seqs = std::uniform_int_distribution<int>(2, 12)(rng);
+    const int64_t num_runs = std::uniform_int_distribution<int>(2, 4)(rng);
+    std::vector<int32_t> starts = {0};
+    std::vector<double> costs;
+    for (int s = 0; s < num_seqs; ++s) {
+      const int rows = std::uniform_int_distribution<int>(1, 12)(rng);
+      starts.push_back(starts.back() + rows);
+      // Some trials weigh by rows only (no costs), as a backend without SequenceAttentionBytes.
+      costs.push_back(rows * 100.0 + std::uniform_int_distribution<int>(0, 3000)(rng));
+    }
+    if (trial % 4 == 0) costs.clear();
+    auto cost_of = [&](int s) { return costs.empty() ? double(starts[s + 1] - starts[s]) : costs[s]; };
+    double total = 0, max_seq = 0;
+    for (int s = 0; s < num_seqs; ++s) total += cost_of(s), max_seq = std::max(max_seq, cost_of(s));
+    const int64_t min_rows = trial % 3 == 0 ? 1 : 4;
+
+    // Every increasing choice of num_runs - 1 cut sequences in [1, num_seqs).
+    double best_max = 1e300;
+    std::vector<int> pick(static_cast<size_t>(num_runs - 1));
+    std::function<void(int, int)> enumerate = [&](int i, int from) {
+      if (i == num_runs - 1) {
+        double worst = 0, run = 0;
+        for (int s = 0, c = 0; s < num_seqs; ++s) {
+          if (c < num_runs - 1 && s == pick[c]) worst = std::max(worst, run), run = 0, ++c;
+          run += cost_of(s);
+        }
+        best_max = std::min(best_max, std::max(worst, run));
+        return;
+      }
+      for (int s = from; s < num_seqs; ++s) pick[i] = s, enumerate(i + 1, s + 1);
+    };
+    enumerate(0, 1);
+
+    const std::vector<int64_t> cuts = detail::MicroBatchCuts(starts, costs, num_runs, min_rows);
+    // The nearest-target cuts, recomputed: sequence boundary c minimizing |cum(c) - i * total / n|.
+    std::vector<int> nearest = {0};
+    bool fits = true;
+    for (int64_t i = 1; i < num_runs; ++i) {
+      const double want = total * i / num_runs;
+      int best = 0;
+      double cum = 0, best_gap = 1e300;
+      for (int c = 0; c <= num_seqs; ++c) {
+        if (std::abs(cum - want) < best_gap - 1e-9) best_gap = std::abs(cum - want), best = c;
+        if (c < num_seqs) cum += cost_of(c);
+      }
+      if (best <= nearest.back() || best >= num_seqs) fits = false;
+      nearest.push_back(best);
+    }
+    nearest.push_back(num_seqs);
+    for (size_t i = 0; fits && i + 1 < nearest.size(); ++i) {
+      double run = 0;
+      for (int s = nearest[i]; s < nearest[i + 1]; ++s) run += cost_of(s);
+      // Costs are whole numbers here: exact in doubles, so the 10% test is exact too.
+      if (starts[nearest[i + 1]] - starts[nearest[i]] < min_rows || 10 * run * num_runs > 11 * total) fits = false;
+    }
+    SCOPED_TRACE("trial " + std::to_string(trial));
+    ASSERT_EQ(!cuts.empty(), fits);
+    if (cuts.empty()) continue;
+    ++checked;
+    ASSERT_EQ(cuts.size(), static_cast<size_t>(num_runs + 1));
+    double worst = 0;
+    for (int64_t i = 0; i < num_runs; ++i) {
+      EXPECT_EQ(cuts[i], starts[nearest[i]]);
+      double run = 0;
+      for (int s = nearest[i]; s < nearest[i + 1]; ++s) run += cost_of(s);
+      worst = std::max(worst, run);
+    }
+    EXPECT_EQ(cuts.back(), starts.back());
+    EXPECT_LE(worst, total / num_runs + max_seq + 1e-9);
+    if (num_runs == 2) {
+      EXPECT_NEAR(worst, best_max, 1e-9);
+      ++optimal_pairs;
+    }
+  }
+  EXPECT_GT(checked, 200);
+  EXPECT_GT(optimal_pairs, 60);
+}
+
+// The case the costs are for: in continuous batching the running list is in arrival order, the
+// longest contexts first. 16 one-row sequences of 40 keys (cost 140 each with a row's 100) and 16
+// of 1 key (cost 101): cut by rows (no costs given) at row 16, the first run would cost 2240,
+// 1.16 x the mean; by cost the cut moves to sequence 14 (runs of 14 and 18 rows, costs 1960 and
+// 1896).
+TEST(MicroBatchCutsTest, MovesTheCutAwayFromLongContexts) {
+  std::vector<int32_t> starts(33);
+  std::iota(starts.begin(), starts.end(), 0);
+  std::vector<double> costs(32, 101.0);
+  for (int s = 0; s < 16; ++s) costs[s] = 140.0;
+  EXPECT_EQ(detail::MicroBatchCuts(starts, costs, 2, 8), (std::vector<int64_t>{0, 14, 32}));
+  EXPECT_EQ(detail::MicroBatchCuts(starts, {}, 2, 8), (std::vector<int64_t>{0, 16, 32})) << "by rows";
+  EXPECT_TRUE(detail::MicroBatchCuts(starts, costs, 2, 15).empty()) << "a run of 14 rows under the 15-row floor";
+  // One sequence as costly as all the others: no cut leaves a run within 10% of the mean.
+  costs[0] = 5000.0;
+  EXPECT_TRUE(detail::MicroBatchCuts(starts, costs, 2, 1).empty());
+  EXPECT_TRUE(detail::MicroBatchCuts(starts, costs, 1, 1).empty()) << "one run";
+  EXPECT_TRUE(detail::MicroBatchCuts({0, 40}, {}, 2, 1).empty()) << "one sequence";
 }
 
 }  // namespace
