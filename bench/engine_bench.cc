@@ -1,11 +1,13 @@
-// Rollout engine throughput: tokens/s versus batch size, and a GRPO workload, on stories260K and
-// on a random model of the stories15M shape; achieved FLOP/s against the GEMM rate measured in
+// Rollout engine throughput: tokens/s versus batch size, a GRPO workload, and a batch of spread
+// contexts with micro-batches on and off, on stories260K and on a random model of the stories15M
+// shape; achieved FLOP/s against the GEMM rate measured in
 // the same run (at the start and after every workload; the highest is the reference). Prints
 // markdown tables at the end, progress on stderr; writes CSV (and, with --plot, a PNG via
 // matplotlib).
 //
 //   vroll_engine_bench [--shared ../shared] [--batches 1,4,16,64,256] [--new-tokens 128]
-//                      [--out bench/results] [--quick] [--plain-c PATH|none]
+//                      [--out bench/results] [--quick] [--plain-c PATH|none] [--skip-grpo]
+//                      [--skip-spread]
 // After the 15M-shape GRPO workload it runs the plain C single-stream baseline
 // (bench/plain_c_baseline.c, built beside it) and prints the GRPO rate as a multiple of it.
 
@@ -166,7 +168,7 @@ int main(int argc, char** argv) {
   std::string shared = "../shared", out_dir = "bench/results", batches_arg = "1,4,16,64,128,256";
   int new_tokens = 128;
   std::string only;
-  bool quick = false, plot = false, skip_grpo = false;
+  bool quick = false, plot = false, skip_grpo = false, skip_spread = false;
   CLI::App app{"vroll engine benchmark"};
   app.add_option("--shared", shared, "folder holding models/stories260K.bin")->capture_default_str();
   app.add_option("--batches", batches_arg, "comma-separated batch sizes")->capture_default_str();
@@ -175,6 +177,7 @@ int main(int argc, char** argv) {
   app.add_flag("--quick", quick, "small sizes (smoke test)");
   app.add_option("--only", only, "run only models whose name contains this (e.g. 15M)");
   app.add_flag("--skip-grpo", skip_grpo, "skip the GRPO workload");
+  app.add_flag("--skip-spread", skip_spread, "skip the spread-contexts workload (micro-batches on and off)");
   app.add_flag("--plot", plot, "write a PNG with matplotlib (Debian's /usr/bin/python3)");
   std::string plain_c = (std::filesystem::path(argv[0]).parent_path() / "vroll_plain_c_baseline").string();
   app.add_option("--plain-c", plain_c,
@@ -283,6 +286,53 @@ int main(int argc, char** argv) {
     grpo_rows.push_back(std::move(row));
   }
 
+  // Spread contexts, as a continuous batch's running list holds them: oldest (longest) first.
+  // Batch 64, prompts of 200, 197, ..., 11 tokens, 48 new tokens each, so decode steps attend
+  // 11-248 keys per sequence; the engine with micro-batches on (runs cut by cost) and off (every
+  // step one batch), alternating, 3 runs each; medians of decode-only tokens/s.
+  struct SpreadRow {
+    std::string model;
+    double on = 0, off = 0;
+    int64_t micro_batch_steps = 0, steps = 0;
+  };
+  std::vector<SpreadRow> spread_rows;
+  const int spread_batch = 64, spread_new = quick ? 8 : 48, spread_reps = quick ? 1 : 3;
+  for (const auto& [name, ckpt] : models) {
+    if (skip_spread || ckpt.config.max_seq_len < 200 + spread_new) continue;
+    std::vector<Request> requests = MakeRequests(spread_batch, 1, 1, spread_new, ckpt.config.vocab_size, 3, 1.0);
+    std::mt19937 rng(3);
+    for (int i = 0; i < spread_batch; ++i) {
+      requests[i].prompt.resize(200 - 3 * i, 1);
+      for (size_t t = 1; t < requests[i].prompt.size(); ++t) {
+        requests[i].prompt[t] = std::uniform_int_distribution<int>(3, ckpt.config.vocab_size - 1)(rng);
+      }
+    }
+    std::vector<double> on, off;
+    SpreadRow row;
+    row.model = name;
+    for (int rep = 0; rep < 2 * spread_reps; ++rep) {
+      EngineConfig config;
+      config.max_num_seqs = spread_batch;
+      config.kv_cache_bytes = int64_t{1} << 30;
+      config.kv_cache_dtype = kv_dtype;
+      config.micro_batches = rep % 2 == 0;
+      const RunResult r = Run(ckpt, config, requests);
+      const double tps = r.stats.num_decode_tokens / std::max(1e-9, r.stats.decode_seconds);
+      (config.micro_batches ? on : off).push_back(tps);
+      if (config.micro_batches) {
+        row.micro_batch_steps = r.stats.num_micro_batch_steps;
+        row.steps = r.stats.num_steps;
+      }
+    }
+    std::sort(on.begin(), on.end());
+    std::sort(off.begin(), off.end());
+    row.on = on[on.size() / 2];
+    row.off = off[off.size() / 2];
+    std::fprintf(stderr, "%s spread contexts: decode-only %.0f tokens/s with micro-batches, %.0f without\n",
+                 name.c_str(), row.on, row.off);
+    spread_rows.push_back(row);
+  }
+
   const double rate = reference.best;
   std::printf("\nGEMM rate measured in this run: %.1f GFLOP/s, the highest of %d measurements (lowest %.1f; at the "
               "start: best of BLAS 512^3: %.1f, vroll kernel 512x1024x1024: %.1f; then after each workload; %s)\n",
@@ -319,6 +369,17 @@ int main(int argc, char** argv) {
     std::printf("|   time split | schedule %.2fs, forward %.2fs, sample %.2fs, commit %.2fs of %.2fs in steps | | | | | |\n",
                 st.schedule_seconds, st.forward_seconds, st.sample_seconds, st.commit_seconds, st.busy_seconds);
     PrintForwardSplit(st);
+  }
+  if (!spread_rows.empty()) {
+    std::printf("\n## Spread contexts: batch %d, prompts of 200 down to 11 tokens (longest first, as a continuous "
+                "batch's running list), %d new tokens; decode-only tokens/s, median of %d runs each\n\n",
+                spread_batch, spread_new, spread_reps);
+    std::printf("| model | micro-batches (cut by cost) | one batch per step | ratio | steps run as micro-batches |\n");
+    std::printf("|---|---|---|---|---|\n");
+    for (const SpreadRow& row : spread_rows) {
+      std::printf("| %s | %.0f | %.0f | %.2f | %ld of %ld |\n", row.model.c_str(), row.on, row.off, row.on / row.off,
+                  static_cast<long>(row.micro_batch_steps), static_cast<long>(row.steps));
+    }
   }
   for (const GrpoRow& row : grpo_rows) {
     if (row.model.find("15M") == std::string::npos || plain_c == "none") continue;
