@@ -4,6 +4,7 @@ import contextlib
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -882,6 +883,42 @@ class ControlTest(FakeWorkerTestCase):
                     self.assertIn(path + ": " + message, stderr.getvalue())
         finally:
             worker.stop()
+
+    def test_constructor_arguments_are_checked_naming_them(self):
+        # helper-60 (a new user): these failed late or with unrelated errors.
+        for bad in (float("inf"), float("nan"), 0, -1, "5", True):
+            with self.assertRaisesRegex(ValueError, r"timeout_s = .* must be a finite number of seconds > 0"):
+                VrollClient("tcp://127.0.0.1:1", timeout_s=bad)
+        with self.assertRaisesRegex(TypeError, r"endpoints = b'tcp://127.0.0.1:1' must be a str"):
+            VrollClient(b"tcp://127.0.0.1:1")
+        with self.assertRaisesRegex(TypeError, r"endpoint 5 must be a str"):
+            VrollClient(["tcp://127.0.0.1:1", 5])
+        for ep in ("tcp://127.0.0.1:99999", "tcp://127.0.0.1:0", "tcp://127.0.0.1", "tcp://127.0.0.1:*"):
+            with self.assertRaisesRegex(ValueError, f"endpoint '{re.escape(ep)}': the port must be a number in "
+                                                    r"\[1, 65535\]"):
+                VrollClient(ep)
+        client = VrollClient(["tcp://127.0.0.1:65535", "tcp://[::1]:1", "ipc:///tmp/x.sock"], timeout_s=0.5)
+        client.close(linger_ms=0)
+
+    def test_a_per_call_timeout_is_checked(self):
+        with self.assertRaisesRegex(ValueError, r"timeout_s = inf"):
+            self.client.health(timeout_s=float("inf"))
+        for w in self.workers:
+            self.assertEqual(w.types(), [])
+
+    def test_a_flat_float_prompt_is_refused_as_one_prompt(self):
+        import numpy as np
+        for prompts in (np.array([1.0, 2.0]), [1.5, 2]):
+            with self.assertRaisesRegex(TypeError, r"prompt\[0\] = 1\.[05] is not an integer .*a flat list is one prompt"):
+                self.client.generate(prompts)
+        for w in self.workers:
+            self.assertEqual(w.types(), [])
+
+    def test_a_weight_update_error_without_an_update_id_reads_cleanly(self):
+        err = WeightUpdateError(3, "", "version", {"tcp://w:1": ValueError("newer")})
+        self.assertTrue(str(err).startswith("weight update (version 3) failed at version on tcp://w:1: newer"),
+                        str(err))
+        self.assertTrue(str(WeightUpdateError(3, "u7", "verify", {})).startswith("weight update u7 (version 3)"))
 
     def test_curve_arguments_are_checked(self):
         with self.assertRaisesRegex(ValueError, "curve_client_keys"):

@@ -18,6 +18,7 @@ from __future__ import annotations
 import collections
 import itertools
 import logging
+import math
 import numbers
 import time
 import uuid
@@ -180,6 +181,27 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
+def _check_timeout(name: str, value: Any) -> float:
+    """A timeout in seconds: a finite number > 0 (else ValueError naming it; inf is refused too:
+    sockets and polls take whole milliseconds)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} = {value!r} must be a finite number of seconds > 0")
+    return float(value)
+
+
+def _check_endpoint(endpoint: Any) -> str:
+    """An endpoint to connect to: a str; for tcp://, a port in [1, 65535] (what the worker
+    checks when it binds; ZeroMQ would accept a larger one here and only time out later)."""
+    if not isinstance(endpoint, str):
+        raise TypeError(f"endpoint {endpoint!r} must be a str such as 'tcp://HOST:PORT' or 'ipc:///PATH'")
+    if endpoint.startswith("tcp://"):
+        port = endpoint.rsplit(":", 1)[-1] if endpoint.count(":") >= 2 else ""
+        if not (port.isdigit() and 1 <= int(port) <= 65535):
+            raise ValueError(f"endpoint {endpoint!r}: the port must be a number in [1, 65535] "
+                             "(expected tcp://HOST:PORT)")
+    return endpoint
+
+
 def _prompt_list(prompts: Any) -> List[Any]:
     """generate()'s prompts as a list of token-id sequences: one prompt given flat (a list of
     ints, a 1-D numpy array or torch tensor) or as vLLM's ``{"prompt_token_ids": [...]}``
@@ -217,6 +239,10 @@ def _prompt_list(prompts: Any) -> List[Any]:
         raise TypeError(f"prompts = {prompts!r} must be a list of token-id lists (or one list of token ids)") from None
     if prompts and is_id(prompts[0]):
         return [prompts]  # one prompt given flat, as vLLM accepts
+    if prompts and isinstance(prompts[0], numbers.Real) and not isinstance(prompts[0], bool):
+        # e.g. a float array: one prompt given flat, with a value that is no token id
+        raise TypeError(f"prompt[0] = {prompts[0]!r} is not an integer (token ids are ints; a flat list is one "
+                        "prompt)")
     return [unwrap(p, i) for i, p in enumerate(prompts)]
 
 
@@ -286,17 +312,21 @@ class VrollClient:
           context: a zmq.Context to use (default: the process-wide instance).
           linger_ms: how long close() waits to flush queued messages.
         Raises:
-          ValueError: no endpoint, a duplicate endpoint, a malformed key, a key without the other.
+          ValueError: no endpoint, a duplicate endpoint, a tcp port outside [1, 65535], a
+            timeout_s that is not a finite number > 0, a malformed key, a key without the other.
+          TypeError: an endpoint that is not a str.
         """
         if isinstance(endpoints, str):
             endpoints = [endpoints]
-        endpoints = list(endpoints)
+        elif isinstance(endpoints, (bytes, bytearray)):
+            raise TypeError(f"endpoints = {endpoints!r} must be a str or a list of str "
+                            "(tcp://HOST:PORT, ipc:///PATH)")
+        endpoints = [_check_endpoint(ep) for ep in endpoints]
         if not endpoints:
             raise ValueError("endpoints is empty")
         if len(set(endpoints)) != len(endpoints):
             raise ValueError(f"duplicate endpoint in {endpoints}")
-        if timeout_s <= 0:
-            raise ValueError(f"timeout_s = {timeout_s} must be > 0")
+        timeout_s = _check_timeout("timeout_s", timeout_s)
         if max_in_flight < 1:
             raise ValueError(f"max_in_flight = {max_in_flight} must be >= 1")
         server_keys = self._server_keys(endpoints, curve_server_key)
@@ -454,7 +484,7 @@ class VrollClient:
         if self._iterating:  # before anything is sent
             raise RuntimeError("the client is in the middle of a generate_iter() iteration: finish "
                                "it, break out of it or close() the iterator before other calls")
-        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        timeout_s = self.timeout_s if timeout_s is None else _check_timeout("timeout_s", timeout_s)
         results: Dict[str, Union[Dict[str, Any], Exception]] = {}
         pending: Dict[str, _Worker] = {}
         for w in workers:

@@ -29,7 +29,8 @@ class SamplingParams:
       n: samples per prompt (a GRPO group), as in vLLM; or ``generate(..., n=k)`` (a value
         other than 1 here that differs from that k is a ValueError).
     The worker validates the values and answers a bad one with error ``bad_field`` naming
-    ``sampling.<field>``; the client only checks types (to_wire) and converts them.
+    ``sampling.<field>`` by its wire name (docs/PROTOCOL.md): ``max_tokens`` travels as
+    ``max_new_tokens``; the client only checks types (to_wire) and converts them.
 
     Unlike vLLM, no token ends a sample unless it is in ``stop_token_ids``: the end-of-sequence
     token is not implied (vLLM stops at EOS unless ``ignore_eos``). Pass the model's: for the
@@ -288,5 +289,6 @@ class WeightUpdateError(VrollError):
             outcome = "nothing sent"
         else:
             outcome = "aborted on every worker, versions unchanged"
-        super().__init__(f"weight update {update_id} (version {version}) failed at {phase} on "
+        named = f"weight update {update_id} " if update_id else "weight update "
+        super().__init__(f"{named}(version {version}) failed at {phase} on "
                          f"{', '.join(self.failures)}: {causes} [{outcome}]")

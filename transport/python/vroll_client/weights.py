@@ -146,7 +146,10 @@ def _float32_le(name: str, value: Any) -> np.ndarray:
 
 def weights_checksum(named_tensors: Mapping[str, Any]) -> int:
     """WeightsChecksum of policy/weight_update.h: the checksum a worker reports in an applied
-    ``update_ack`` for the weights it now uses.
+    ``update_ack`` for the weights it now uses, when ``named_tensors`` holds exactly the model's
+    parameters. A model with a tied embedding has no parameter ``lm_head.weight``: a full Hugging
+    Face state dict that carries it as a copy of the embedding is accepted by push_weights, but
+    hash it without that entry to get the ack's value.
 
     XXH3-64 (seed 0) over, for each name in byte order of its UTF-8 encoding:
     u64le(len(name_bytes)) name_bytes u64le(4 * numel) u64le(XXH3-64(float32-le data)): a hash of
