@@ -131,6 +131,13 @@ int main(int argc, char** argv) {
       if (!trainer_keys_path.empty()) worker_config.curve.trainer_keys = vroll::transport::ReadCurveKeyListFile(trainer_keys_path);
       if (!client_keys_path.empty()) worker_config.curve.client_keys = vroll::transport::ReadCurveKeyListFile(client_keys_path);
     }
+    // The rest of the configuration too (the endpoint, sizes): a mistake there is reported before
+    // the model loads and the KV cache is allocated. The engine and the server check again.
+    engine_config.kv_cache_bytes = kv_cache_mb << 20;
+    engine_config.kv_cache_dtype = vroll::cache::ParseKvCacheDtype(kv_cache_dtype);
+    worker_config.max_message_bytes = max_message_mb << 20;
+    engine_config.Validate();
+    worker_config.Validate();
     vroll::policy::Checkpoint ckpt;
     if (model_path.empty()) {
       log.info("no --model: using the {}", vroll::policy::DefaultModelDescription());
@@ -148,9 +155,6 @@ int main(int argc, char** argv) {
     }
     log.info("seed {} for requests that carry none{}", engine_config.seed,
              seed ? "" : " (random; pass --seed to reproduce them)");
-    engine_config.kv_cache_bytes = kv_cache_mb << 20;
-    engine_config.kv_cache_dtype = vroll::cache::ParseKvCacheDtype(kv_cache_dtype);
-    worker_config.max_message_bytes = max_message_mb << 20;
 
     vroll::rollout::Engine engine(ckpt, engine_config);
     // The model holds its own copy: do not keep a second one for the worker's lifetime, and hand

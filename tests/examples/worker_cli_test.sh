@@ -42,6 +42,15 @@ expect_refused mismatched_pair "beside it holds another pair's public key" \
 expect_refused secret_as_allow_list "a .key file holds a secret key" \
   --curve-secret-key "$dir/a.key" --curve-trainer-keys "$dir/b.key"
 
+# A bad endpoint is refused before the model is loaded (here an empty file, which would fail to load).
+: >"$dir/empty_model.bin"
+rc=0
+timeout 60 "$WORKER" --endpoint tcp://127.0.0.1:99999 --model "$dir/empty_model.bin" \
+  >"$dir/bad_port.out" 2>"$dir/bad_port.err" || rc=$?
+[ "$rc" -ne 0 ] && [ "$rc" -ne 124 ] || fail "bad_port: exit code $rc"
+grep -qF "endpoint tcp://127.0.0.1:99999: the port must be a number in [0, 65535]" "$dir/bad_port.err" ||
+  fail "bad_port: the endpoint is not named (after the model load?): $(cat "$dir/bad_port.err")"
+
 # Seeds outside [0, 2^64) are refused, not wrapped or saturated.
 expect_refused seed_negative "must be an integer in [0, 2^64) (got '-1')" --seed -1
 expect_refused seed_too_big "must be an integer in [0, 2^64) (got '18446744073709551616')" \
