@@ -80,8 +80,11 @@ class PagedKvCache : public policy::AttentionBackend {
   std::vector<int32_t> SequenceRowStarts() const override;
 
   /// Per sequence: its rows' keys (context_lens - n_new + 1, ..., context_lens) x 2 x kv_dim x
-  /// the element size of dtype(). Shared blocks (a GRPO group's prompt) are counted for every
-  /// reader, though grouped rows read them once.
+  /// the element size of dtype(). An upper bound where rows share reads: attention takes up to
+  /// 16 rows that start with the same blocks together and reads those keys once for them (a GRPO
+  /// group's prompt, the rows of a prefill chunk), and this counts them for every row. Uniform
+  /// batches (decodes, GRPO groups) are weighed alike either way; a prefill chunk beside decodes
+  /// is weighed heavier than its attention costs.
   std::vector<double> SequenceAttentionBytes() const override;
 
   /// Attend for the rows [row_begin, row_end) of whole sequences only (else
