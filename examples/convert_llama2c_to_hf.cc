@@ -16,6 +16,7 @@
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 
+#include "examples/fatal_error.h"
 #include "examples/cli_checks.h"
 #include "policy/errors.h"
 #include "policy/hf_loader.h"
@@ -65,7 +66,6 @@ int main(int argc, char** argv) {
                num_files == 1 ? "" : "s", num_bytes, policy::DTypeName(options.dtype), hf.config.ToString());
     return 0;
   } catch (const std::exception& e) {
-    log.error("{}", vroll::policy::DescribeError(e));
-    return 1;
+    return vroll::examples::ReportFatal(log, "vroll-convert-hf", e);
   }
 }

@@ -14,8 +14,8 @@
 #include <ATen/Parallel.h>
 #include <CLI/CLI.hpp>
 
+#include "examples/fatal_error.h"
 #include "examples/cli_checks.h"
-#include "policy/errors.h"
 #include "policy/blas_setup.h"
 #include "policy/contiguous_kv_cache.h"
 #include "policy/default_model.h"
@@ -138,8 +138,7 @@ int main(int argc, char** argv) {
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     log.info("generated {} tokens in {:.3f} s ({:.1f} tokens/s)", generated, seconds, generated / seconds);
   } catch (const std::exception& e) {
-    log.error("{}", vroll::policy::DescribeError(e));
-    return 1;
+    return vroll::examples::ReportFatal(log, "vroll-generate", e);
   }
   return 0;
 }

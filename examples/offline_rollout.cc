@@ -15,8 +15,8 @@
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 
+#include "examples/fatal_error.h"
 #include "examples/cli_checks.h"
-#include "policy/errors.h"
 #include "policy/blas_setup.h"
 #include "policy/default_model.h"
 #include "policy/llama2c_loader.h"
@@ -92,8 +92,7 @@ int main(int argc, char** argv) {
                 static_cast<long long>(st.num_generated_tokens), st.tokens_per_second, st.peak_used_blocks,
                 st.num_blocks, st.prefix_hit_rate);
   } catch (const std::exception& e) {
-    log.error("{}", vroll::policy::DescribeError(e));
-    return 1;
+    return vroll::examples::ReportFatal(log, "vroll-offline", e);
   }
   return 0;
 }

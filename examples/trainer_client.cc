@@ -34,8 +34,8 @@
 #include <string_view>
 #include <vector>
 
+#include "examples/fatal_error.h"
 #include "examples/cli_checks.h"
-#include "policy/errors.h"
 #include "policy/default_model.h"
 #include "policy/llama2c_loader.h"
 #include "policy/logging.h"
@@ -310,8 +310,7 @@ int main(int argc, char** argv) {
     std::printf("ok: %d samples, each tagged with the version it was requested under (%llu, then %llu)\n", num_samples,
                 static_cast<unsigned long long>(first), static_cast<unsigned long long>(first + 1));
   } catch (const std::exception& e) {
-    log.error("{}", vroll::policy::DescribeError(e));
-    return 1;
+    return vroll::examples::ReportFatal(log, "vroll-trainer-example", e);
   }
   return 0;
 }

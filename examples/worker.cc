@@ -18,8 +18,8 @@
 
 #include <CLI/CLI.hpp>
 
+#include "examples/fatal_error.h"
 #include "examples/cli_checks.h"
-#include "policy/errors.h"
 #include "policy/blas_setup.h"
 #include "policy/default_model.h"
 #include "policy/llama2c_loader.h"
@@ -179,8 +179,7 @@ int main(int argc, char** argv) {
     engine.Stop();
     log.info("worker exited cleanly");
   } catch (const std::exception& e) {
-    log.error("{}", vroll::policy::DescribeError(e));
-    return 1;
+    return vroll::examples::ReportFatal(log, "vroll-worker", e);
   }
   return 0;
 }

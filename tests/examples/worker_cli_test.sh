@@ -51,6 +51,16 @@ timeout 60 "$WORKER" --endpoint tcp://127.0.0.1:99999 --model "$dir/empty_model.
 grep -qF "endpoint tcp://127.0.0.1:99999: the port must be a number in [0, 65535]" "$dir/bad_port.err" ||
   fail "bad_port: the endpoint is not named (after the model load?): $(cat "$dir/bad_port.err")"
 
+# A quiet log level silences progress and warnings, not the reason for a failed exit.
+for level in off critical; do
+  rc=0
+  VROLL_LOG_LEVEL=$level timeout 60 "$WORKER" --endpoint tcp://127.0.0.1:99999 --model "$dir/empty_model.bin" \
+    >"$dir/bad_port_$level.out" 2>"$dir/bad_port_$level.err" || rc=$?
+  [ "$rc" -ne 0 ] && [ "$rc" -ne 124 ] || fail "bad_port at log level $level: exit code $rc"
+  grep "^vroll-worker: error: " "$dir/bad_port_$level.err" |
+    grep -qF "endpoint tcp://127.0.0.1:99999: the port must be a number in [0, 65535]" || fail "bad_port at log level $level: no reason given: $(cat "$dir/bad_port_$level.err")"
+done
+
 # Seeds outside [0, 2^64) are refused, not wrapped or saturated.
 expect_refused seed_negative "must be an integer in [0, 2^64) (got '-1')" --seed -1
 expect_refused seed_too_big "must be an integer in [0, 2^64) (got '18446744073709551616')" \
