@@ -117,6 +117,11 @@ class ToWireTest(unittest.TestCase):
         self.assertEqual(bytes(w.data), t.contiguous().numpy().tobytes())
         s = to_wire("s", torch.tensor(2.0, dtype=torch.bfloat16))
         self.assertEqual((s.shape, bytes(s.data)), ((), struct.pack("<f", 2.0)[2:]))
+        # A 0-d numpy array keeps shape () too (np.ascontiguousarray would make it (1,)), in
+        # either byte order.
+        for a in (np.array(1.5, dtype="<f4"), np.array(1.5, dtype=">f4")):
+            w = to_wire("a", a)
+            self.assertEqual((w.shape, bytes(w.data)), ((), struct.pack("<f", 1.5)))
 
     def test_requires_grad_parameter_is_accepted(self):
         p = torch.nn.Parameter(torch.ones(3))

@@ -85,7 +85,8 @@ def _numpy_wire_array(name: str, value: Any) -> Tuple[str, np.ndarray]:
         else:
             raise TypeError(f"array {name!r} has dtype {value.dtype}; weight updates carry "
                             "float32 or float16 numpy arrays (bfloat16: pass a torch tensor)")
-        arr = np.ascontiguousarray(value, dtype=value.dtype.newbyteorder("<"))
+        # asarray with order="C", not ascontiguousarray: that one turns a 0-d array into shape (1,).
+        arr = np.asarray(value, dtype=value.dtype.newbyteorder("<"), order="C")
         return wire, arr
     raise TypeError(f"{name!r} is a {type(value).__name__}, not a torch.Tensor or numpy.ndarray")
 
@@ -140,7 +141,7 @@ def _float32_le(name: str, value: Any) -> np.ndarray:
     if isinstance(value, np.ndarray):
         if value.dtype.kind != "f" or value.dtype.itemsize not in (2, 4):
             raise TypeError(f"array {name!r} has dtype {value.dtype}; expected float32 or float16")
-        return np.ascontiguousarray(value, dtype="<f4")
+        return np.asarray(value, dtype="<f4", order="C")
     raise TypeError(f"{name!r} is a {type(value).__name__}, not a torch.Tensor or numpy.ndarray")
 
 
