@@ -138,6 +138,7 @@ int main(int argc, char** argv) {
     worker_config.max_message_bytes = max_message_mb << 20;
     engine_config.Validate();
     worker_config.Validate();
+    vroll::transport::CheckEndpointCanBind(worker_config.endpoint);  // a port in use, before the load
     vroll::policy::Checkpoint ckpt;
     if (model_path.empty()) {
       log.info("no --model: using the {}", vroll::policy::DefaultModelDescription());

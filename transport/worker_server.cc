@@ -164,7 +164,40 @@ std::string BindEndpoint(const std::string& endpoint) {
   return endpoint;
 }
 
+/// libzmq leaves the socket file of a closed ipc:// listener behind (it removes only those of
+/// ipc://*): removes it for `bound` (a socket's ZMQ_LAST_ENDPOINT); nothing for other transports
+/// and abstract (ipc://@NAME) sockets.
+void RemoveIpcSocketFile(const std::string& bound) {
+  const std::string ipc = "ipc://";
+  if (bound.rfind(ipc, 0) == 0 && bound.size() > ipc.size() && bound[ipc.size()] != '@') {
+    ::unlink(bound.substr(ipc.size()).c_str());
+  }
+}
+
+/// Binds `router` at `endpoint` (as configured: tcp://localhost:PORT too). Throws TransportError
+/// "cannot bind ENDPOINT: ..." where it cannot (port in use, an ipc path taken: CheckIpcPathIsFree).
+void BindRouter(zmq::socket_t& router, const std::string& configured) {
+  const std::string endpoint = BindEndpoint(configured);
+  if (endpoint.rfind("tcp://[", 0) == 0) router.set(zmq::sockopt::ipv6, 1);  // tcp://[::1]:PORT
+  if (endpoint.rfind("ipc://", 0) == 0) CheckIpcPathIsFree(endpoint);
+  try {
+    router.bind(endpoint);
+  } catch (const zmq::error_t& e) {
+    throw TransportError(fmt::format("cannot bind {}: {}", configured, e.what()));
+  }
+}
+
 }  // namespace
+
+void CheckEndpointCanBind(const std::string& endpoint) {
+  zmq::context_t context(1);
+  zmq::socket_t router(context, zmq::socket_type::router);
+  router.set(zmq::sockopt::linger, 0);
+  BindRouter(router, endpoint);
+  const std::string bound = router.get(zmq::sockopt::last_endpoint);
+  router.close();
+  RemoveIpcSocketFile(bound);
+}
 
 // ---- Config ----------------------------------------------------------------------------------------
 
@@ -320,14 +353,7 @@ struct WorkerServer::Impl {
         throw TransportError(fmt::format("cannot set the CURVE secret key: {}", zmq_strerror(zmq_errno())));
       }
     }
-    const std::string endpoint = BindEndpoint(config.endpoint);
-    if (endpoint.rfind("tcp://[", 0) == 0) router.set(zmq::sockopt::ipv6, 1);  // tcp://[::1]:PORT
-    if (endpoint.rfind("ipc://", 0) == 0) CheckIpcPathIsFree(endpoint);
-    try {
-      router.bind(endpoint);
-    } catch (const zmq::error_t& e) {
-      throw TransportError(fmt::format("cannot bind {}: {}", config.endpoint, e.what()));
-    }
+    BindRouter(router, config.endpoint);
     bound_endpoint = router.get(zmq::sockopt::last_endpoint);
     const policy::ModelConfig& m = engine.model_config();
     log.info("worker listening on {} ({}); model vocab {}, context {}{}, {} parameters; policy version {}",
@@ -1351,12 +1377,7 @@ WorkerServer::WorkerServer(rollout::Engine& engine, WorkerConfig config)
 WorkerServer::~WorkerServer() {
   impl_->router.close();
   impl_->StopZap();
-  // libzmq leaves a bound ipc:// socket file behind (it removes only those of ipc://*).
-  const std::string ipc = "ipc://";
-  const std::string& endpoint = impl_->bound_endpoint;
-  if (endpoint.rfind(ipc, 0) == 0 && endpoint.size() > ipc.size() && endpoint[ipc.size()] != '@') {
-    ::unlink(endpoint.substr(ipc.size()).c_str());
-  }
+  RemoveIpcSocketFile(impl_->bound_endpoint);
 }
 
 void WorkerServer::Run() { impl_->Run(); }

@@ -85,6 +85,15 @@ struct WorkerConfig {
   std::string ToString() const;
 };
 
+/// Binds a ROUTER socket at `endpoint` (a WorkerConfig::endpoint) in a ZeroMQ context of its own
+/// and closes it again: throws TransportError "cannot bind ENDPOINT: ..." where WorkerServer's
+/// bind would fail (the port in use, an address not on this machine, an ipc path another process
+/// listens on or that is not a socket). A check, not a reservation: another process may still
+/// take the address before the server binds, which the server then reports. vroll-worker calls it
+/// before loading the model, so that a taken port is reported at once, not after the load.
+/// Thread-safe.
+void CheckEndpointCanBind(const std::string& endpoint);
+
 /// Serves one engine on one ROUTER socket.
 ///
 /// Ownership: borrows `engine` (which must outlive the server and be started: Engine::Start).

@@ -51,6 +51,22 @@ timeout 60 "$WORKER" --endpoint tcp://127.0.0.1:99999 --model "$dir/empty_model.
 grep -qF "endpoint tcp://127.0.0.1:99999: the port must be a number in [0, 65535]" "$dir/bad_port.err" ||
   fail "bad_port: the endpoint is not named (after the model load?): $(cat "$dir/bad_port.err")"
 
+# A port in use is reported before the model is loaded (the empty model file would fail to load).
+/usr/bin/python3 -c 'import socket, time
+s = socket.socket(); s.bind(("127.0.0.1", 0)); s.listen()
+print(s.getsockname()[1], flush=True); time.sleep(120)' >"$dir/listener.port" &
+listener_pid=$!
+for _ in $(seq 100); do [ -s "$dir/listener.port" ] && break; sleep 0.1; done
+port=$(cat "$dir/listener.port")
+[ -n "$port" ] || fail "the port-holding listener did not start"
+rc=0
+timeout 60 "$WORKER" --endpoint "tcp://127.0.0.1:$port" --model "$dir/empty_model.bin" \
+  >"$dir/port_in_use.out" 2>"$dir/port_in_use.err" || rc=$?
+kill "$listener_pid"
+[ "$rc" -ne 0 ] && [ "$rc" -ne 124 ] || fail "port_in_use: exit code $rc"
+grep -qF "cannot bind tcp://127.0.0.1:$port: Address already in use" "$dir/port_in_use.err" ||
+  fail "port_in_use: the port is not named (after the model load?): $(cat "$dir/port_in_use.err")"
+
 # A quiet log level silences progress and warnings, not the reason for a failed exit.
 for level in off critical; do
   rc=0

@@ -8,6 +8,7 @@
 #include <netinet/in.h>
 #include <poll.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/un.h>
 #include <unistd.h>
 
@@ -217,6 +218,36 @@ TEST(WorkerServerTest, AnIpcPathInUseIsRefusedAndAStaleOneIsReplaced) {
   std::getline(kept, content);
   EXPECT_EQ(content, "keep me");
   std::remove(file_path.c_str());
+}
+
+// CheckEndpointCanBind (vroll-worker's check before the model load) refuses what the server's
+// bind refuses, naming the endpoint, and leaves a free address free.
+TEST(WorkerServerTest, CheckEndpointCanBindRefusesATakenAddressAndFreesAFreeOne) {
+  WorkerHarness tcp;  // bound at tcp://127.0.0.1:<ephemeral>
+  try {
+    CheckEndpointCanBind(tcp.endpoint());
+    ADD_FAILURE() << "bound " << tcp.endpoint() << " while a worker listens there";
+  } catch (const TransportError& e) {
+    EXPECT_NE(std::string(e.what()).find("cannot bind " + tcp.endpoint() + ": Address already in use"),
+              std::string::npos)
+        << e.what();
+  }
+  WorkerConfig ipc;
+  ipc.endpoint = IpcEndpoint();
+  {
+    WorkerHarness live(ipc);
+    EXPECT_THROW(CheckEndpointCanBind(ipc.endpoint), TransportError);
+    EXPECT_EQ(Connect(live.endpoint())->Generate({MakeRequest("a", {1, 2, 3}, 4)}).size(), 1u);  // still served
+  }
+  // Free: the check passes, leaves no socket file, and a server binds the address afterwards.
+  WorkerConfig free_ipc;
+  free_ipc.endpoint = IpcEndpoint();
+  EXPECT_NO_THROW(CheckEndpointCanBind(free_ipc.endpoint));
+  struct stat st {};
+  EXPECT_NE(::stat(free_ipc.endpoint.substr(6).c_str(), &st), 0) << "the check left its socket file";
+  WorkerHarness after(free_ipc);
+  EXPECT_EQ(Connect(after.endpoint())->Generate({MakeRequest("b", {1, 2, 3}, 4)}).size(), 1u);
+  EXPECT_NO_THROW(CheckEndpointCanBind(testing::TcpEndpoint()));  // an ephemeral port: always free
 }
 
 // tcp://localhost:PORT binds the IPv4 loopback (libzmq alone takes "localhost" for an interface
