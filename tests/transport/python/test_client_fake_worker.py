@@ -300,6 +300,24 @@ class GenerateTest(FakeWorkerTestCase):
             client.close(linger_ms=0)
             slow.delay_with_probes_s = 0.0
 
+    def test_a_timeout_while_waiting_for_a_policy_version_says_so(self):
+        # helper-61: the message named only a dead, hung or paused worker.
+        gated = self.workers[0]
+        gated.gate_min_policy_version = True
+        client = VrollClient(gated.endpoint, timeout_s=0.3)
+        try:
+            with self.assertRaises(VrollTimeoutError) as cm:
+                client.generate([[1], [2]], min_policy_version=7)
+            self.assertIn("2 of them wait for min_policy_version >= 7", str(cm.exception))
+            self.assertIn("health() says its policy_version", str(cm.exception))
+            with self.assertRaises(VrollTimeoutError) as cm:
+                gated.hang_after_accept = True
+                client.generate([[1]])
+            self.assertNotIn("min_policy_version", str(cm.exception))
+        finally:
+            client.close(linger_ms=0)
+            gated.gate_min_policy_version = gated.hang_after_accept = False
+
     def test_requests_of_a_silent_worker_are_aborted_on_it(self):
         # The worker accepted the requests and then hung: they still hold its pending slots.
         hung = self.workers[0]
@@ -329,6 +347,27 @@ class GenerateTest(FakeWorkerTestCase):
         with self.assertRaisesRegex(ValueError, r"prompts\[1\] is empty"):
             self.client.generate([[1], []])
         self.assertEqual(self.client.generate([]), [])
+        for w in self.workers:
+            self.assertEqual(w.types(), [])
+
+    def test_sampling_params_of_other_types_and_no_endpoints_are_refused_at_once(self):
+        # helper-61 (a new user): a dict or None gave an AttributeError ('str' / 'NoneType' has
+        # no attribute 'to_wire'), and endpoints=[] made generate() wait forever.
+        cases = [
+            (lambda: self.client.generate([1, 2], {"temperature": 0.5}), TypeError,
+             "sampling_params is a dict: pass SamplingParams(**it)"),
+            (lambda: self.client.generate([[1], [2]], [SamplingParams(), None]), TypeError,
+             "sampling_params[1] is a NoneType, not a SamplingParams"),
+            (lambda: self.client.generate([1, 2], 0.5), TypeError, "sampling_params is a float"),
+            (lambda: self.client.generate([1, 2], endpoints=[]), ValueError, "endpoints = [] selects no worker"),
+            (lambda: list(self.client.generate_iter([1, 2], endpoints=[])), ValueError,
+             "endpoints = [] selects no worker"),
+            (lambda: self.client.health(endpoints=[]), ValueError, "endpoints = [] selects no worker"),
+        ]
+        for call, exc_type, message in cases:
+            with self.assertRaises(exc_type) as cm:
+                call()
+            self.assertIn(message, str(cm.exception))
         for w in self.workers:
             self.assertEqual(w.types(), [])
 
@@ -689,6 +728,30 @@ class PushWeightsTest(FakeWorkerTestCase):
         with self.assertRaises(ValueError):
             self.client.push_weights(make_weights(1), version=1, endpoints=["tcp://nowhere:1"])
 
+    def test_every_argument_is_checked_before_anything_is_sent(self):
+        # helper-61 (a new user): a bad apply_timeout_s was found only at the apply, after every
+        # chunk had gone and without an abort, so the workers kept the update open (busy to every
+        # push) until their update_timeout_ms; a str chunk_bytes gave a bare '<' TypeError.
+        weights = make_weights(1)
+        cases = [
+            (dict(apply_timeout_s=-1), ValueError, "apply_timeout_s = -1 must be a finite number"),
+            (dict(apply_timeout_s=0), ValueError, "apply_timeout_s = 0 must be"),
+            (dict(apply_timeout_s=float("nan")), ValueError, "apply_timeout_s = nan must be"),
+            (dict(chunk_bytes="1000"), TypeError, "chunk_bytes = '1000' must be an int"),
+            (dict(chunk_bytes=0), ValueError, "chunk_bytes = 0 must be >= 1"),
+            (dict(busy_wait_s=-1), ValueError, "busy_wait_s = -1 must be a finite number of seconds >= 0"),
+            (dict(busy_wait_s="5"), TypeError, "busy_wait_s = '5' must be a number of seconds"),
+            (dict(endpoints=[]), ValueError, "endpoints = [] selects no worker"),
+        ]
+        for kwargs, exc_type, message in cases:
+            with self.assertRaises(exc_type, msg=str(kwargs)) as cm:
+                self.client.push_weights(weights, version=1, **kwargs)
+            self.assertIn(message, str(cm.exception))
+        for w in self.workers:
+            self.assertEqual(w.types(), [])
+        acks = self.client.push_weights(weights, version=1, apply_timeout_s=3, busy_wait_s=0)
+        self.assertEqual([a.version for a in acks], [1, 1])
+
     def test_ensure_weights_pushes_only_to_stale_workers(self):
         weights = make_weights(5)
         self.client.push_weights(weights, version=4)
@@ -899,6 +962,13 @@ class ControlTest(FakeWorkerTestCase):
                 VrollClient(ep)
         client = VrollClient(["tcp://127.0.0.1:65535", "tcp://[::1]:1", "ipc:///tmp/x.sock"], timeout_s=0.5)
         client.close(linger_ms=0)
+        # helper-61: a str max_in_flight gave a bare "'<' not supported" TypeError.
+        with self.assertRaisesRegex(TypeError, r"max_in_flight = '3' must be an int"):
+            VrollClient("tcp://127.0.0.1:1", max_in_flight="3")
+        with self.assertRaisesRegex(ValueError, r"max_in_flight = 0 must be >= 1"):
+            VrollClient("tcp://127.0.0.1:1", max_in_flight=0)
+        with self.assertRaisesRegex(TypeError, r"linger_ms = 1.5 must be an int"):
+            VrollClient("tcp://127.0.0.1:1", linger_ms=1.5)
 
     def test_a_per_call_timeout_is_checked(self):
         with self.assertRaisesRegex(ValueError, r"timeout_s = inf"):

@@ -189,6 +189,24 @@ def _check_timeout(name: str, value: Any) -> float:
     return float(value)
 
 
+def _check_int(name: str, value: Any, minimum: int) -> int:
+    """An int (numpy ints too, not bool) >= minimum: else TypeError / ValueError naming it."""
+    if not _is_int(value):
+        raise TypeError(f"{name} = {value!r} must be an int")
+    if value < minimum:
+        raise ValueError(f"{name} = {value!r} must be >= {minimum}")
+    return int(value)
+
+
+def _check_seconds(name: str, value: Any) -> float:
+    """A finite number of seconds >= 0 (0: not at all), else TypeError / ValueError naming it."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} = {value!r} must be a number of seconds")
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"{name} = {value!r} must be a finite number of seconds >= 0")
+    return float(value)
+
+
 def _check_endpoint(endpoint: Any) -> str:
     """An endpoint to connect to: a str; for tcp://, a port in [1, 65535] (what the worker
     checks when it binds; ZeroMQ would accept a larger one here and only time out later)."""
@@ -313,8 +331,9 @@ class VrollClient:
           linger_ms: how long close() waits to flush queued messages.
         Raises:
           ValueError: no endpoint, a duplicate endpoint, a tcp port outside [1, 65535], a
-            timeout_s that is not a finite number > 0, a malformed key, a key without the other.
-          TypeError: an endpoint that is not a str.
+            timeout_s that is not a finite number > 0, max_in_flight < 1, linger_ms < 0, a
+            malformed key, a key without the other.
+          TypeError: an endpoint that is not a str; max_in_flight or linger_ms not an int.
         """
         if isinstance(endpoints, str):
             endpoints = [endpoints]
@@ -327,8 +346,8 @@ class VrollClient:
         if len(set(endpoints)) != len(endpoints):
             raise ValueError(f"duplicate endpoint in {endpoints}")
         timeout_s = _check_timeout("timeout_s", timeout_s)
-        if max_in_flight < 1:
-            raise ValueError(f"max_in_flight = {max_in_flight} must be >= 1")
+        max_in_flight = _check_int("max_in_flight", max_in_flight, 1)
+        linger_ms = _check_int("linger_ms", linger_ms, 0)
         server_keys = self._server_keys(endpoints, curve_server_key)
         client_keys = None
         if curve_client_keys is not None:
@@ -407,6 +426,10 @@ class VrollClient:
             return list(self._workers)
         if isinstance(endpoints, str):
             endpoints = [endpoints]
+        endpoints = list(endpoints)
+        if not endpoints:  # generate() would wait for nothing, forever; push_weights update nobody
+            raise ValueError("endpoints = [] selects no worker (None: all of this client's "
+                             f"workers, {self.endpoints})")
         unknown = [ep for ep in endpoints if ep not in self._by_endpoint]
         if unknown:
             raise ValueError(f"unknown endpoint(s) {unknown}; this client has {self.endpoints}")
@@ -728,8 +751,19 @@ class VrollClient:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
             params = [sampling_params] * len(prompts)
+        elif isinstance(sampling_params, Mapping):
+            raise TypeError("sampling_params is a dict: pass SamplingParams(**it) (or a list of "
+                            "SamplingParams, one per prompt)")
         else:
-            params = list(sampling_params)
+            try:
+                params = list(sampling_params)
+            except TypeError:
+                raise TypeError(f"sampling_params is a {type(sampling_params).__name__}: expected a "
+                                "SamplingParams or a list of them, one per prompt") from None
+            for i, sp in enumerate(params):
+                if not isinstance(sp, SamplingParams):
+                    raise TypeError(f"sampling_params[{i}] is a {type(sp).__name__}, not a "
+                                    "SamplingParams")
             if len(params) != len(prompts):
                 raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
         if n is not None:
@@ -981,10 +1015,18 @@ class VrollClient:
                 self._reset(w, _SILENCE_ABORT_LINGER_MS)
                 for r in stuck:
                     del in_flight[r.request_id]
+                waiting = [int(r.header.get("min_policy_version", 0)) for r in stuck]
+                waiting = [v for v in waiting if v > 0]
+                version_note = (
+                    f"; {len(waiting)} of them wait for min_policy_version >= {max(waiting)}, "
+                    "which the worker may not have reached (health() says its policy_version): "
+                    "such requests get no reply until it does, only liveness probes every "
+                    "--heartbeat-ms" if waiting else "")
                 raise VrollTimeoutError(
                     w.endpoint, f"generate ({len(stuck)} requests in flight; a dead, hung or "
                     "paused worker (health() says paused), or its replies dropped at a full "
-                    "queue (the worker's log warns of that: --max-queued-replies)", self.timeout_s)
+                    "queue (the worker's log warns of that: --max-queued-replies)"
+                    f"{version_note})", self.timeout_s)
 
     def _abort_requests(self, requests: Any) -> None:
         """Best effort: tells each request's worker to end it; replies are dropped later."""
@@ -1069,8 +1111,10 @@ class VrollClient:
             raise ValueError(f"mode = {mode!r}; one of {protocol.UPDATE_MODES}")
         if not named_tensors:
             raise ValueError("named_tensors is empty")
-        if chunk_bytes < 1:
-            raise ValueError(f"chunk_bytes = {chunk_bytes} must be >= 1")
+        chunk_bytes = _check_int("chunk_bytes", chunk_bytes, 1)
+        if apply_timeout_s is not None:  # checked here: at the apply, everything has been sent
+            apply_timeout_s = _check_timeout("apply_timeout_s", apply_timeout_s)
+        busy_wait_s = _check_seconds("busy_wait_s", busy_wait_s)
         if rope_layout not in (None, "interleaved", "half_split"):
             raise ValueError(f"rope_layout = {rope_layout!r}; one of None, 'interleaved', 'half_split'")
         workers = self._select(endpoints)
@@ -1329,8 +1373,9 @@ class VrollClient:
         version, e.g. a worker restarted from its initial weights (version 0).
 
         Call it after a WorkerError/VrollTimeoutError from a worker, or before each round of
-        generation, to resume after a worker restart. A no-op (returns []) when all are current,
-        and for version 0 (initial weights, which a restarted worker already has).
+        generation, to resume after a worker restart. A no-op (returns []) when all are current
+        (version 0, the initial weights, included: a restarted worker already has them); a
+        worker on a newer version is an error, for version 0 too (see Raises).
         rope_layout: as push_weights (checked on the workers that are pushed to).
         Returns: the applied UpdateAcks of the workers that were updated.
         Raises: VrollTimeoutError/WorkerError from health (a worker still down);
