@@ -29,6 +29,23 @@ inline CLI::Validator IntAtLeast(long long min) {
       "INT>=" + std::to_string(min));
 }
 
+/// Accepts a decimal integer in [min, max]; otherwise "must be an integer in [MIN, MAX] (got
+/// 'VALUE')" (for sizes scaled later, e.g. MiB to bytes, where a larger value would overflow).
+inline CLI::Validator IntInRange(long long min, long long max) {
+  return CLI::Validator(
+      [min, max](std::string& value) -> std::string {
+        try {
+          size_t end = 0;
+          const long long v = std::stoll(value, &end);
+          if (end == value.size() && v >= min && v <= max) return "";
+        } catch (const std::exception&) {
+        }
+        return "must be an integer in [" + std::to_string(min) + ", " + std::to_string(max) + "] (got '" + value +
+               "')";
+      },
+      "INT in [" + std::to_string(min) + ", " + std::to_string(max) + "]");
+}
+
 /// Accepts a finite decimal number >= `min`; otherwise "must be a number >= MIN (got 'VALUE')"
 /// (CLI11's NonNegativeNumber prints the upper bound, DBL_MAX, in full).
 inline CLI::Validator NumberAtLeast(double min) {

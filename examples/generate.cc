@@ -87,14 +87,17 @@ int main(int argc, char** argv) {
     try {  // a device this LibTorch build has (e.g. no cuda on Debian's CPU build)
       options.device = c10::Device(device_name);
       if (options.device.is_cuda() && !at::hasCUDA()) {
-        log.error("--device {}: this LibTorch build has no CUDA support (Debian's libtorch is CPU-only)", device_name);
-        return 2;
+        return vroll::examples::ReportFatal(
+            log, "vroll-generate",
+            fmt::format("--device {}: this LibTorch build has no CUDA support (Debian's libtorch is CPU-only)",
+                        device_name),
+            2);
       }
       (void)at::empty({1}, at::TensorOptions().device(options.device));
     } catch (const c10::Error& e) {
       const std::string message = e.what_without_backtrace();
-      log.error("--device {}: {}", device_name, message.substr(0, message.find('\n')));
-      return 2;
+      return vroll::examples::ReportFatal(
+          log, "vroll-generate", fmt::format("--device {}: {}", device_name, message.substr(0, message.find('\n'))), 2);
     }
     options.batch_invariant = false;  // one sequence: nothing to be invariant to
     vroll::policy::LlamaModel model(ckpt, options);

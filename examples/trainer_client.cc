@@ -202,7 +202,7 @@ int main(int argc, char** argv) {
   app.add_option("--max-new-tokens", sampling.max_new_tokens)->capture_default_str()->check(vroll::examples::IntAtLeast(1));
   app.add_option("--temperature", sampling.temperature)->capture_default_str();
   app.add_option("--perturb-std", perturb_std, "std of the noise added to every weight before the second push")
-      ->capture_default_str();
+      ->capture_default_str()->check(vroll::examples::NumberAtLeast(0));
   app.add_option("--seed", seed, "request seeds are seed + prompt index; the noise is drawn from seed too")
       ->capture_default_str()
       ->check(vroll::examples::Uint64());
@@ -290,6 +290,8 @@ int main(int argc, char** argv) {
       prompts.push_back(std::move(p));
     }
     if (tokenizer) sampling.stop_token_ids = {vroll::policy::Tokenizer::kBos, vroll::policy::Tokenizer::kEos};
+    // Checked here, before the first push changes the worker's version (the worker checks again).
+    sampling.Validate(health.model.vocab_size);
 
     // Version 1 (the next version: 1 on a fresh worker), rollouts, then version 2.
     const PolicyVersion first = health.policy_version + 1;
@@ -303,9 +305,10 @@ int main(int argc, char** argv) {
     const int num_samples = 2 * static_cast<int>(prompts.size()) * n;
     if (shutdown_worker) client.Shutdown();
     if (num_mismatched > 0) {
-      log.error("{} of {} samples are not tagged with the version they were requested under", num_mismatched,
-                num_samples);
-      return 1;
+      return vroll::examples::ReportFatal(
+          log, "vroll-trainer-example",
+          fmt::format("{} of {} samples are not tagged with the version they were requested under", num_mismatched,
+                      num_samples));
     }
     std::printf("ok: %d samples, each tagged with the version it was requested under (%llu, then %llu)\n", num_samples,
                 static_cast<unsigned long long>(first), static_cast<unsigned long long>(first + 1));

@@ -11,6 +11,7 @@
 
 #include <csignal>
 #include <filesystem>
+#include <limits>
 #include <cstdio>
 #include <optional>
 #include <random>
@@ -45,6 +46,8 @@ int main(int argc, char** argv) {
   std::string model_path, tokenizer_path, secret_key_path, trainer_keys_path, client_keys_path;
   vroll::rollout::EngineConfig engine_config;
   vroll::transport::WorkerConfig worker_config;
+  // MiB options become bytes (<< 20): larger values would overflow int64_t.
+  constexpr long long kMaxMiB = std::numeric_limits<int64_t>::max() >> 20;
   int64_t kv_cache_mb = engine_config.kv_cache_bytes >> 20;
   int64_t max_message_mb = worker_config.max_message_bytes >> 20;
   int threads = 0;
@@ -60,7 +63,7 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--kv-cache-mb", kv_cache_mb,
                  "KV cache budget, MiB (sequences are capped at what it holds for one sequence, with a warning, when "
-                 "that is less than the model's context)")->capture_default_str()->check(vroll::examples::IntAtLeast(1));
+                 "that is less than the model's context)")->capture_default_str()->check(vroll::examples::IntInRange(1, kMaxMiB));
   std::string kv_cache_dtype = "float32";
   app.add_option("--kv-cache-dtype", kv_cache_dtype,
                  "KV cache element type: float32, float16 or bfloat16 (16 bits: twice the tokens per MiB, attention "
@@ -82,7 +85,7 @@ int main(int argc, char** argv) {
                  "replies queued per client that does not read them before further ones are dropped (ZeroMQ's "
                  "send high-water mark); per connection, so their memory adds up over clients")
       ->capture_default_str()->check(vroll::examples::IntAtLeast(1));
-  app.add_option("--max-message-mb", max_message_mb, "largest frame accepted, MiB")->capture_default_str()->check(vroll::examples::IntAtLeast(1));
+  app.add_option("--max-message-mb", max_message_mb, "largest frame accepted, MiB")->capture_default_str()->check(vroll::examples::IntInRange(1, kMaxMiB));
   app.add_option("--update-timeout-ms", worker_config.update_timeout_ms, "abort an update silent for this long")
       ->capture_default_str()->check(vroll::examples::IntAtLeast(1));
   app.add_option("--heartbeat-ms", worker_config.heartbeat_ms,

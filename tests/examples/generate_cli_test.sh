@@ -16,6 +16,10 @@ grep -q "$BIN" /tmp/vroll_cli_err.$$ || { echo "error does not name the file:"; 
 # A device this LibTorch lacks: one line naming --device, no LibTorch backtrace.
 if "$BIN" --device cuda --max-new-tokens 2 >"$out" 2>/tmp/vroll_cli_err.$$; then echo "--device cuda accepted on a CPU build"; exit 1; fi
 grep -q -- "--device cuda: " /tmp/vroll_cli_err.$$ || { echo "error does not name --device:"; cat /tmp/vroll_cli_err.$$; exit 1; }
+# Also when the log is off (helper-62: stderr was empty at VROLL_LOG_LEVEL=off).
+if VROLL_LOG_LEVEL=off "$BIN" --device cuda --max-new-tokens 2 >"$out" 2>/tmp/vroll_cli_err.$$; then echo "--device cuda accepted"; exit 1; fi
+grep -q -- "^vroll-generate: error: --device cuda: " /tmp/vroll_cli_err.$$ ||
+  { echo "no reason at VROLL_LOG_LEVEL=off:"; cat /tmp/vroll_cli_err.$$; exit 1; }
 if grep -q "frame #" /tmp/vroll_cli_err.$$; then echo "error carries a backtrace:"; cat /tmp/vroll_cli_err.$$; exit 1; fi
 # Integer options name what they expect.
 "$BIN" --max-new-tokens 0 >"$out" 2>/tmp/vroll_cli_err.$$ && { echo "--max-new-tokens 0 accepted"; exit 1; }

@@ -73,6 +73,18 @@ run_case() {
       grep -qF -- "--prompt-ids '$bad': '$item' $message" "$dir/ids-example.out" "$dir/ids-example.err" ||
         fail "--prompt-ids $bad: no \"'$item' $message\""
     done
+    # Bad sampling and noise options: refused before the first push (the run below then still
+    # pushes version 1; helper-62 saw version 2 pushed, then the rollout refused).
+    # option|value|message
+    for case in "--temperature|-1|temperature" "--perturb-std|nan|--perturb-std" \
+      "--perturb-std|-1|--perturb-std"; do
+      IFS='|' read -r option value message <<<"$case"
+      if "$EXAMPLE" --endpoint "$endpoint" "$option" "$value" >"$dir/opt-example.out" 2>"$dir/opt-example.err"; then
+        fail "$option $value accepted"
+      fi
+      grep -qF -- "$message" "$dir/opt-example.out" "$dir/opt-example.err" || fail "$option $value: no '$message'"
+      grep -q "pushed version" "$dir/opt-example.out" && fail "$option $value: weights pushed before the refusal"
+    done
   fi
   if [ "$name" = curve ]; then
     # A trainer key that is not on the worker's list: CURVE refuses the handshake silently, so the

@@ -77,6 +77,13 @@ for level in off critical; do
     grep -qF "endpoint tcp://127.0.0.1:99999: the port must be a number in [0, 65535]" || fail "bad_port at log level $level: no reason given: $(cat "$dir/bad_port_$level.err")"
 done
 
+# MiB sizes whose bytes would overflow int64 are refused, not wrapped (helper-62: 2^44 + 1 MiB
+# became a 1 MiB KV cache; 9999999999999 a negative size).
+expect_refused kv_mb_wraps "--kv-cache-mb: must be an integer in [1, 8796093022207] (got '17592186044417')" \
+  --kv-cache-mb 17592186044417
+expect_refused message_mb_overflows "--max-message-mb: must be an integer in [1, 8796093022207] (got '99999999999999')" \
+  --max-message-mb 99999999999999
+
 # Seeds outside [0, 2^64) are refused, not wrapped or saturated.
 expect_refused seed_negative "must be an integer in [0, 2^64) (got '-1')" --seed -1
 expect_refused seed_too_big "must be an integer in [0, 2^64) (got '18446744073709551616')" \
