@@ -37,10 +37,10 @@ int main(int argc, char** argv) {
   app.add_option("--tokenizer", tokenizer_path, "llama2.c tokenizer.bin")->check(CLI::ExistingFile);
   app.add_option("--prompt", prompts, "prompt text (repeatable)");
   app.add_option("--n", n, "samples per prompt")->capture_default_str()->check(vroll::examples::IntAtLeast(1));
-  app.add_option("--max-new-tokens", sampling.max_new_tokens)->capture_default_str()->check(vroll::examples::IntAtLeast(1));
-  app.add_option("--temperature", sampling.temperature)->capture_default_str();
-  app.add_option("--top-p", sampling.top_p)->capture_default_str();
-  app.add_option("--top-k", sampling.top_k)->capture_default_str();
+  app.add_option("--max-new-tokens", sampling.max_new_tokens, "tokens generated per sample at most")->capture_default_str()->check(vroll::examples::IntAtLeast(1));
+  app.add_option("--temperature", sampling.temperature, "0 = greedy")->capture_default_str()->check(vroll::examples::NumberAtLeast(0));
+  app.add_option("--top-p", sampling.top_p, "nucleus sampling mass in (0, 1]")->capture_default_str();
+  app.add_option("--top-k", sampling.top_k, "keep the k most likely tokens (0 = off)")->capture_default_str();
   app.add_option("--seed", seed, "request seeds are seed + prompt index")
       ->capture_default_str()
       ->check(vroll::examples::Uint64());

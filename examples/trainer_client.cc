@@ -200,7 +200,7 @@ int main(int argc, char** argv) {
   app.add_option("--prompt-ids", id_prompts, "prompt as comma-separated token ids (repeatable)");
   app.add_option("--n", n, "samples per prompt")->capture_default_str()->check(vroll::examples::IntAtLeast(1));
   app.add_option("--max-new-tokens", sampling.max_new_tokens)->capture_default_str()->check(vroll::examples::IntAtLeast(1));
-  app.add_option("--temperature", sampling.temperature)->capture_default_str();
+  app.add_option("--temperature", sampling.temperature, "0 = greedy")->capture_default_str();
   app.add_option("--perturb-std", perturb_std, "std of the noise added to every weight before the second push")
       ->capture_default_str()->check(vroll::examples::NumberAtLeast(0));
   app.add_option("--seed", seed, "request seeds are seed + prompt index; the noise is drawn from seed too")
