@@ -1,5 +1,6 @@
 #include "policy/tokenizer.h"
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <fstream>
@@ -110,6 +111,10 @@ Tokenizer Tokenizer::LoadLlama2c(const std::string& path, int vocab_size) {
     int32_t len = 0;
     if (!reader.Read(&score)) throw truncated("score");
     if (!reader.Read(&len)) throw truncated("len");
+    if (!std::isfinite(score)) {  // a corrupt file: NaN would never merge, inf always first
+      throw LoadError(fmt::format("{}: not a llama2.c tokenizer: entry {} of {} field score = {} must be finite", path,
+                                  i, vocab_size, score));
+    }
     if (len < 0 || static_cast<uint32_t>(len) > max_token_length) {
       throw LoadError(fmt::format(
           "{}: not a llama2.c tokenizer: entry {} of {} field len = {} must be in [0, max_token_length = {}]", path, i,

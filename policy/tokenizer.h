@@ -25,7 +25,7 @@ class Tokenizer {
   /// Only the first `vocab_size` entries are read (as run.c does); bytes after them are ignored.
   /// Throws LoadError naming the file and the field: missing or unreadable file, file too short
   /// for max_token_length, entry `i` truncated (fewer entries than `vocab_size`), len negative or
-  /// above max_token_length, entries 3..258 not the byte tokens "<0x00>".."<0xFF>" that byte
+  /// above max_token_length, a score that is NaN or infinite, entries 3..258 not the byte tokens "<0x00>".."<0xFF>" that byte
   /// fallback relies on, `vocab_size` < 259.
   static Tokenizer LoadLlama2c(const std::string& path, int vocab_size);
 

@@ -305,6 +305,13 @@ TEST_F(Llama2cFilesTest, CorruptTokenizersThrowLoadErrorNamingFileAndField) {
   WriteBytes(path, TokenizerFile(6, entries));
   ExpectTokenizerError(path, 259, {"entry 5 of 259 field len = 7", "max_token_length = 6"});
   entries = ByteLevelEntries();
+  entries[7].score = std::numeric_limits<float>::quiet_NaN();  // helper-62: loaded silently
+  WriteBytes(path, TokenizerFile(6, entries));
+  ExpectTokenizerError(path, 259, {"entry 7 of 259 field score = nan must be finite"});
+  entries[7].score = -std::numeric_limits<float>::infinity();
+  WriteBytes(path, TokenizerFile(6, entries));
+  ExpectTokenizerError(path, 259, {"entry 7 of 259 field score = -inf must be finite"});
+  entries = ByteLevelEntries();
   entries[3 + 0x41].bytes = "<0x42>";  // byte fallback would silently pick the wrong token
   WriteBytes(path, TokenizerFile(6, entries));
   ExpectTokenizerError(path, 259, {"entry 68 of 259", "<0x41>"});
