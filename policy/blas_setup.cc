@@ -9,10 +9,12 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <stdexcept>
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/core/InferenceMode.h>
+#include <fmt/format.h>
 
 #include "policy/logging.h"
 
@@ -91,6 +93,15 @@ int ConfigureThreads(int requested) {
   const bool known = sched_getaffinity(0, sizeof(set), &set) == 0;  // fails beyond 1024 CPUs
   const int cores = known ? CPU_COUNT(&set) : 1;
   if (n <= 0) n = cores;
+  if (known && n > kMaxThreadsPerCore * cores) {
+    // Not a slowdown but an apparent hang: 256 threads on 2 cores took 4x as long as 16 to
+    // generate 5 tokens, 5000 ran past a minute (helper-62).
+    throw std::invalid_argument(fmt::format(
+        "{} threads ({}) on {} cores this process may use: at most {} ({} per core) are accepted, and at most {} "
+        "run well",
+        n, requested > 0 ? "--threads" : "OMP_NUM_THREADS", cores, kMaxThreadsPerCore * cores, kMaxThreadsPerCore,
+        cores));
+  }
   if (known && n > cores) {
     Logger("policy").warn("{} threads on {} cores this process may use: every step waits for threads that share a "
                           "core (and start-up alone takes longer); use at most {}",

@@ -29,7 +29,11 @@ void EnsureFastBlas(int argc, char** argv);
 /// OMP_NUM_THREADS if set, else every core the process may run on. LibTorch 1.13's own default
 /// comes from cpuinfo, which on some virtual machines finds one core and leaves the rest idle.
 /// Returns the number in effect. Call from main() before starting other threads.
+/// Logs a warning above one thread per core; throws std::invalid_argument (naming the number,
+/// where it came from and the limit) above kMaxThreadsPerCore per core, where every parallel
+/// region waits for threads that share a core so long that a run looks hung.
 int ConfigureThreads(int requested = 0);
+constexpr int kMaxThreadsPerCore = 8;
 
 /// What BlasSelfCheck measured.
 struct BlasReport {

@@ -96,6 +96,10 @@ threads=$(( cores + 1 ))
 expect_refused too_many_threads "$threads threads on $cores cores" --threads "$threads" \
   --curve-secret-key "$dir/a.pub" --curve-trainer-keys "$dir/b.pub"
 
+# Far more threads than cores (a run that looks hung: helper-62) are refused, naming the limit.
+expect_refused way_too_many_threads "$(( cores * 8 + 1 )) threads (--threads) on $cores cores this process may use: at most $(( cores * 8 ))" \
+  --threads "$(( cores * 8 + 1 ))"
+
 # A key on both allow-lists starts, with a warning that it gets trainer rights; a secret key file
 # others may read is warned about too.
 chmod 640 "$dir/a.key"
