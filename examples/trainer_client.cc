@@ -243,6 +243,10 @@ int main(int argc, char** argv) {
                 endpoint.c_str(), health.ok ? "true" : "false", static_cast<unsigned long long>(health.policy_version),
                 health.model.vocab_size, health.model.dim, health.model.n_layers, health.model.max_seq_len);
     if (!health.ok) throw std::runtime_error("the worker is shutting down");
+    if (health.max_num_seqs > 0 && n > health.max_num_seqs) {  // before anything is pushed
+      throw std::invalid_argument(fmt::format("--n {}: the worker takes at most {} samples per request (its max_num_seqs)",
+                                              n, health.max_num_seqs));
+    }
 
     // Weights for the worker's shape.
     vroll::policy::Checkpoint ckpt;

@@ -260,6 +260,9 @@ class Engine {
   /// the watermark (then the constructor logs a warning naming the cache size needed). Prompts
   /// must be shorter; generation ends with FinishReason::kLength when a sequence reaches it.
   int max_model_len() const { return max_model_len_; }
+  /// EngineConfig::max_num_seqs: the most samples one request may ask for (n), and the most
+  /// sequences a step runs.
+  int max_num_seqs() const { return config_.max_num_seqs; }
   /// The error for a prompt of `num_prompt_tokens` >= max_model_len() (names the cap's cause).
   std::string ContextMessage(size_t num_prompt_tokens) const;
 

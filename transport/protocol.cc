@@ -568,6 +568,7 @@ HealthMsg ParseHealth(const MapReader& m, std::string id) {
   h.protocol_version = m.I32("protocol_version");
   h.paused = m.OptBool("paused", false);
   h.update_version = m.OptU64("update_version", 0);
+  h.max_num_seqs = m.OptI32("max_num_seqs", 0, 0);
   return h;
 }
 
@@ -963,6 +964,7 @@ struct WorkerEncoder {
     w.Int("protocol_version", m.protocol_version);
     w.Bool("paused", m.paused);
     w.Uint("update_version", m.update_version);
+    if (m.max_num_seqs > 0) w.Int("max_num_seqs", m.max_num_seqs);
     return w.Finish();
   }
   std::string operator()(const ErrorMsg& m) const {

@@ -215,6 +215,9 @@ struct HealthMsg {
   /// 0 when none is: a worker behind a client's min_policy_version with an update to it open is
   /// catching up, one without is not (clients route around it).
   PolicyVersion update_version = 0;
+  /// The most samples one generate request may ask for (the worker's max_num_seqs: a larger n is
+  /// refused, bad_field "n"); 0: not reported (a worker older than the field).
+  int max_num_seqs = 0;
 };
 
 /// "error".

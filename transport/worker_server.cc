@@ -583,7 +583,8 @@ struct WorkerServer::Impl {
                                policy::RopeLayoutName(model.rope_layout)},
                      kProtocolVersion,
                      engine.paused(),
-                     update && update->phase != OpenUpdate::Phase::kPoisoned ? update->version : 0};
+                     update && update->phase != OpenUpdate::Phase::kPoisoned ? update->version : 0,
+                     engine.max_num_seqs()};
   }
 
   /// A send found `peer`'s connection gone (closed, crashed, or replaced by a reconnect under a

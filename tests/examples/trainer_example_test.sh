@@ -77,7 +77,8 @@ run_case() {
     # pushes version 1; helper-62 saw version 2 pushed, then the rollout refused).
     # option|value|message
     for case in "--temperature|-1|temperature" "--perturb-std|nan|--perturb-std" \
-      "--perturb-std|-1|--perturb-std"; do
+      "--perturb-std|-1|--perturb-std" \
+      "--n|100000|--n 100000: the worker takes at most 256 samples per request"; do
       IFS='|' read -r option value message <<<"$case"
       if "$EXAMPLE" --endpoint "$endpoint" "$option" "$value" >"$dir/opt-example.out" 2>"$dir/opt-example.err"; then
         fail "$option $value accepted"

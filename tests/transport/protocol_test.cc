@@ -206,6 +206,9 @@ TEST(ProtocolTest, ReplyMessagesRoundTrip) {
   HealthMsg updating{"h", true, 5, {259, 256, 64, 4, 200, ""}, 1, true, 6};
   EXPECT_TRUE(RoundTripWorker(updating).paused);
   EXPECT_EQ(RoundTripWorker(updating).update_version, 6u);
+  EXPECT_EQ(rh.max_num_seqs, 0);  // not sent when unknown
+  updating.max_num_seqs = 48;
+  EXPECT_EQ(RoundTripWorker(updating).max_num_seqs, 48);
   {  // a reply without max_model_len (an older worker) reads it as max_seq_len
     const std::string old_reply = Header("health")
                                       .Set("ok", Value::Bool(true))
