@@ -1,6 +1,6 @@
 // The paged attention kernel (cache/attention_kernel.h). Compiled with -ffast-math (vectorized
-// expf through libmvec, reassociated reductions); it is the same code for every row, so results
-// stay batch invariant.
+// expf through libmvec) but -fno-associative-math (sums in source order; cache/CMakeLists.txt);
+// it is the same code for every row, so results stay batch invariant.
 
 #include "cache/attention_kernel.h"
 
@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 
 // The ISA variants of the entry points (GCC target_clones). A test build of this file defines it
 // as one target, to run that variant on any CPU that has it (tests/support/kernel_isa_build.cc).
@@ -59,6 +60,38 @@ __attribute__((always_inline)) inline uint32_t Float16Bits(uint16_t h) {  // the
     return bits | sign;
   }
   return (em >= 0x7c00u ? (em << 13) | 0x7f800000u : (em << 13) + (112u << 23)) | sign;
+}
+
+// Keys and values as AttendTokensImpl reads them: fp32 as is, or 16-bit elements converted in
+// registers, 16 at a time, to the fp32 values they stand for (exact: ConvertKvToFloat's values).
+struct BFloat16Element {
+  uint16_t bits;
+};
+struct Float16Element {
+  uint16_t bits;
+};
+
+__attribute__((always_inline)) inline Vec LoadKv(const float* p) { return Load(p); }
+/// bfloat16: the upper half of an fp32 (zero-extend, shift).
+__attribute__((always_inline)) inline Vec LoadKv(const BFloat16Element* p) {
+  U16x16 h;
+  std::memcpy(&h, p, sizeof(h));
+  const U32x16 bits = __builtin_convertvector(h, U32x16) << 16;
+  Vec v;
+  std::memcpy(&v, &bits, sizeof(v));
+  return v;
+}
+/// float16: one VCVTPH2PS of 16 values (AVX-512F), which quiets a signaling NaN (ConvertKvToFloat
+/// keeps its bits; both are NaN, and so is every output it reaches). Inline assembly: GCC 12
+/// converts a _Float16 vector 4 values at a time without AVX512-FP16 (5x slower attention), and
+/// its intrinsic cannot be inlined through these templates, which have no target of their own.
+/// Only for the AVX-512F function that instantiates the 16-bit tiles (zmm operands).
+__attribute__((always_inline)) inline Vec LoadKv(const Float16Element* p) {
+  U16x16 h;
+  std::memcpy(&h, p, sizeof(h));
+  Vec v;
+  __asm__("vcvtph2ps %1, %0" : "=v"(v) : "vm"(h));
+  return v;
 }
 
 // Transpose-reduce of 16 vectors: a, b -> per-pair partial sums; after four levels lane L holds
@@ -273,10 +306,10 @@ inline void SoftmaxInPlace(float* s, int n) {
 }
 
 /// Partial sums of q . k for one key: a[l] = sum_c q[16 c + l] * k[16 c + l] (kChunks vectors).
-template <int kChunks>
-__attribute__((always_inline)) inline Vec KeyDot(const Vec* qv, const float* k) {
-  Vec a = qv[0] * Load(k);
-  for (int c = 1; c < kChunks; ++c) a += qv[c] * Load(k + 16 * c);
+template <int kChunks, typename E>
+__attribute__((always_inline)) inline Vec KeyDot(const Vec* qv, const E* k) {
+  Vec a = qv[0] * LoadKv(k);
+  for (int c = 1; c < kChunks; ++c) a += qv[c] * LoadKv(k + 16 * c);
   return a;
 }
 
@@ -300,17 +333,17 @@ __attribute__((always_inline)) inline void PrefetchShare(CacheLines lines, int h
 
 /// Scores of keys [j0, j0 + 16) of one row, every head: sc[h * ld + j] = scale * q[h] . k_j
 /// (keys of all heads read together, 16 at a time; kD a multiple of 16).
-template <int kD, bool kNarrow>
+template <int kD, bool kNarrow, typename E>
 __attribute__((always_inline)) inline void ScoreChunk(const float* q, int n_heads, int group, int j0, int num_keys,
-                                                      int block_size, const int32_t* table, const float* k_base,
+                                                      int block_size, const int32_t* table, const E* k_base,
                                                       int64_t block_stride, int64_t token_stride, float scale,
                                                       float* sc, int64_t ld, CacheLines next_keys = {},
                                                       CacheLines values = {}) {
   constexpr int kChunks = kD / 16;
   const int n = std::min(16, num_keys - j0);
-  const float* kp[16];
+  const E* kp[16];
   if (block_size % 16 == 0) {  // the 16 keys lie in one block (j0 is a multiple of 16): no divisions
-    const float* base = k_base + table[j0 / block_size] * block_stride + (j0 % block_size) * token_stride;
+    const E* base = k_base + table[j0 / block_size] * block_stride + (j0 % block_size) * token_stride;
     for (int i = 0; i < 16; ++i) kp[i] = base + (i < n ? i : 0) * token_stride;
   } else {
     for (int i = 0; i < 16; ++i) {
@@ -351,8 +384,8 @@ __attribute__((always_inline)) inline void ScoreChunk(const float* q, int n_head
       Vec acc[16];
 #pragma GCC unroll 16
       for (int i = 0; i < 16; ++i) {
-        Vec a = qv[0] * Load(kp[i] + off);
-        for (int c = 1; c < kChunks; ++c) a += qv[c] * Load(kp[i] + off + 16 * c);
+        Vec a = qv[0] * LoadKv(kp[i] + off);
+        for (int c = 1; c < kChunks; ++c) a += qv[c] * LoadKv(kp[i] + off + 16 * c);
         acc[i] = a;
       }
       Vec a8[8], a4[4], a2[2];
@@ -372,9 +405,9 @@ __attribute__((always_inline)) inline void ScoreChunk(const float* q, int n_head
 /// vector accumulators in registers, keys in order. The first block starts from zero, later ones
 /// continue from `out` (a float stored and reloaded keeps its value), so each output element is
 /// one in-order chain over the keys however blocks of different rows are interleaved.
-template <int kD, int H>
+template <int kD, int H, typename E>
 __attribute__((always_inline)) inline void PvBlockHeads(int h0, int group, int b, int num_keys, int block_size,
-                                                        const int32_t* table, const float* v_base,
+                                                        const int32_t* table, const E* v_base,
                                                         int64_t block_stride, int64_t token_stride, const float* p,
                                                         int64_t ld, float* out) {
   constexpr int kChunks = kD / 16;
@@ -388,14 +421,14 @@ __attribute__((always_inline)) inline void PvBlockHeads(int h0, int group, int b
   int64_t off[H];
   for (int i = 0; i < H; ++i) off[i] = int64_t{(h0 + i) / group} * kD;
   const int j0 = b * block_size, n = std::min(block_size, num_keys - j0);
-  const float* vb = v_base + table[b] * block_stride;
+  const E* vb = v_base + table[b] * block_stride;
   for (int j = 0; j < n; ++j) {
-    const float* vj = vb + j * token_stride;
+    const E* vj = vb + j * token_stride;
 #pragma GCC unroll 16
     for (int i = 0; i < H; ++i) {
       const float w = p[(h0 + i) * ld + j0 + j];
 #pragma GCC unroll 8
-      for (int c = 0; c < kChunks; ++c) acc[i * kChunks + c] += w * Load(vj + off[i] + 16 * c);
+      for (int c = 0; c < kChunks; ++c) acc[i * kChunks + c] += w * LoadKv(vj + off[i] + 16 * c);
     }
   }
 #pragma GCC unroll 16
@@ -454,9 +487,9 @@ __attribute__((always_inline)) inline void PvBlockHeads8(int h0, int group, int 
 }
 
 /// p.v of block b of one row, every head (heads in groups whose accumulators fit in registers).
-template <int kD, bool kNarrow>
+template <int kD, bool kNarrow, typename E>
 __attribute__((always_inline)) inline void PvBlock(int n_heads, int group, int b, int num_keys, int block_size,
-                                                   const int32_t* table, const float* v_base, int64_t block_stride,
+                                                   const int32_t* table, const E* v_base, int64_t block_stride,
                                                    int64_t token_stride, const float* p, int64_t ld, float* out) {
   constexpr int kChunks = kD / 16;
   // Accumulators of 16 floats per group: 16 (one AVX-512 register each), or 6 when narrow (two
@@ -470,9 +503,10 @@ __attribute__((always_inline)) inline void PvBlock(int n_heads, int group, int b
 #define VROLL_PV(H)                                                                                                \
   case H:                                                                                                          \
     if constexpr (H <= kGroupMax && kNarrow) {                                                                     \
+      static_assert(std::is_same_v<E, float>, "narrow tiles read fp32 values only");                             \
       PvBlockHeads8<kD, H>(h0, group, b, num_keys, block_size, table, v_base, block_stride, token_stride, p, ld, out); \
     } else if constexpr (H <= kGroupMax) {                                                                         \
-      PvBlockHeads<kD, H>(h0, group, b, num_keys, block_size, table, v_base, block_stride, token_stride, p, ld, out); \
+      PvBlockHeads<kD, H, E>(h0, group, b, num_keys, block_size, table, v_base, block_stride, token_stride, p, ld, out); \
     }                                                                                                              \
     break;
       VROLL_PV(1) VROLL_PV(2) VROLL_PV(3) VROLL_PV(4) VROLL_PV(5) VROLL_PV(6) VROLL_PV(7) VROLL_PV(8)
@@ -488,12 +522,13 @@ __attribute__((always_inline)) inline void PvBlock(int n_heads, int group, int b
 /// [j, min(j + 16, num_keys)) of row r (all kv heads; one block when j and block_size are
 /// multiples of 16, as AttendTokens makes the chunks), for prefetching: none past the rows or the
 /// row's keys, or with other block sizes.
+template <typename E>
 __attribute__((always_inline)) inline CacheLines ChunkLines(const TokenRow* rows, int num_rows, int r, int j,
-                                                          int block_size, int key_floats, const float* base,
+                                                          int block_size, int key_floats, const E* base,
                                                           int64_t block_stride, int64_t token_stride) {
   CacheLines lines;
   if (block_size % 16 != 0 || j % 16 != 0 || r >= num_rows || j >= rows[r].num_keys) return lines;
-  const float* first = base + rows[r].table[j / block_size] * block_stride + (j % block_size) * token_stride;
+  const E* first = base + rows[r].table[j / block_size] * block_stride + (j % block_size) * token_stride;
   const int count = std::min(16, rows[r].num_keys - j);
   const uintptr_t begin = reinterpret_cast<uintptr_t>(first) & ~uintptr_t{63};
   const uintptr_t end = reinterpret_cast<uintptr_t>(first + (count - 1) * token_stride + key_floats);
@@ -506,10 +541,10 @@ __attribute__((always_inline)) inline CacheLines ChunkLines(const TokenRow* rows
 /// (block by block) with every row inside, so each shared chunk is read from memory once and
 /// then from L1 for the other rows; the rest row by row. Per row the arithmetic is the same
 /// sequence of operations as for that row alone.
-template <int kD, bool kNarrow>
+template <int kD, bool kNarrow, typename E>
 __attribute__((always_inline)) inline void AttendTokensImpl(const TokenRow* rows, int num_rows, int shared_keys,
-                                                            int n_kv, int group, int block_size, const float* k_base,
-                                                            const float* v_base, int64_t block_stride,
+                                                            int n_kv, int group, int block_size, const E* k_base,
+                                                            const E* v_base, int64_t block_stride,
                                                             int64_t token_stride, float scale, float* scores) {
   const int n_heads = n_kv * group;
   int max_keys = 0;
@@ -639,14 +674,71 @@ void AttendTokensNarrow(const TokenRow* rows, int num_rows, int shared_keys, int
 #undef VROLL_ATTEND_TOKENS_BODY
 #undef VROLL_NARROW_CLONES
 
-void AttendTokens(const TokenRow* rows, int num_rows, int shared_keys, int n_kv, int group, int head_dim,
-                  int block_size, const float* k_base, const float* v_base, int64_t block_stride,
-                  int64_t token_stride, float scale, float* scores) {
-  // The shared part must be whole chunks of 16 keys and whole blocks, below every row's length.
+namespace {
+
+/// The shared part must be whole chunks of 16 keys and whole blocks, below every row's length.
+int UsableSharedKeys(const TokenRow* rows, int num_rows, int shared_keys, int block_size) {
   for (int r = 0; r < num_rows; ++r) shared_keys = std::min(shared_keys, rows[r].num_keys);
   shared_keys = std::max(0, shared_keys);
   const int unit = block_size % 16 == 0 ? block_size : 0;
-  shared_keys = unit > 0 ? shared_keys / unit * unit : 0;
+  return unit > 0 ? shared_keys / unit * unit : 0;
+}
+
+#ifndef VROLL_ISA_VARIANT
+/// The wide tiles over 16-bit keys and values, converted in registers (LoadKv): false for head
+/// sizes without tiles.
+__attribute__((target("avx512f"))) bool AttendTokensWideSixteenBit(
+    KvCacheDtype dtype, const TokenRow* rows, int num_rows, int shared_keys, int n_kv, int group, int head_dim,
+    int block_size, const void* k_base, const void* v_base, int64_t block_stride, int64_t token_stride, float scale,
+    float* scores) {
+#define VROLL_SIXTEEN_BIT_CASE(D)                                                                                  \
+  case D:                                                                                                         \
+    if (dtype == KvCacheDtype::kBFloat16) {                                                                       \
+      AttendTokensImpl<D, false>(rows, num_rows, shared_keys, n_kv, group, block_size,                            \
+                                 static_cast<const BFloat16Element*>(k_base),                                     \
+                                 static_cast<const BFloat16Element*>(v_base), block_stride, token_stride, scale,  \
+                                 scores);                                                                         \
+    } else {                                                                                                      \
+      AttendTokensImpl<D, false>(rows, num_rows, shared_keys, n_kv, group, block_size,                            \
+                                 static_cast<const Float16Element*>(k_base),                                      \
+                                 static_cast<const Float16Element*>(v_base), block_stride, token_stride, scale,   \
+                                 scores);                                                                         \
+    }                                                                                                             \
+    return true;
+  switch (head_dim) {
+    VROLL_SIXTEEN_BIT_CASE(16)
+    VROLL_SIXTEEN_BIT_CASE(32)
+    VROLL_SIXTEEN_BIT_CASE(48)
+    VROLL_SIXTEEN_BIT_CASE(64)
+    VROLL_SIXTEEN_BIT_CASE(80)
+    VROLL_SIXTEEN_BIT_CASE(96)
+    VROLL_SIXTEEN_BIT_CASE(128)
+    default:
+      return false;
+  }
+#undef VROLL_SIXTEEN_BIT_CASE
+}
+#endif
+
+}  // namespace
+
+bool AttendTokensSixteenBit(KvCacheDtype dtype, const TokenRow* rows, int num_rows, int shared_keys, int n_kv,
+                            int group, int head_dim, int block_size, const void* k_base, const void* v_base,
+                            int64_t block_stride, int64_t token_stride, float scale, float* scores) {
+#ifdef VROLL_ISA_VARIANT
+  return false;
+#else
+  if (NarrowTiles() || (dtype != KvCacheDtype::kBFloat16 && dtype != KvCacheDtype::kFloat16)) return false;
+  return AttendTokensWideSixteenBit(dtype, rows, num_rows, UsableSharedKeys(rows, num_rows, shared_keys, block_size),
+                                    n_kv, group, head_dim, block_size, k_base, v_base, block_stride, token_stride,
+                                    scale, scores);
+#endif
+}
+
+void AttendTokens(const TokenRow* rows, int num_rows, int shared_keys, int n_kv, int group, int head_dim,
+                  int block_size, const float* k_base, const float* v_base, int64_t block_stride,
+                  int64_t token_stride, float scale, float* scores) {
+  shared_keys = UsableSharedKeys(rows, num_rows, shared_keys, block_size);
 #ifndef VROLL_ISA_VARIANT
   if (!NarrowTiles()) {
     return AttendTokensWide(rows, num_rows, shared_keys, n_kv, group, head_dim, block_size, k_base, v_base,

@@ -52,6 +52,18 @@ void AttendTokens(const TokenRow* rows, int num_rows, int shared_keys, int n_kv,
                   int block_size, const float* k_base, const float* v_base, int64_t block_stride,
                   int64_t token_stride, float scale, float* scores);
 
+/// AttendTokens over a 16-bit cache (`dtype` kBFloat16 or kFloat16; k_base and v_base point to
+/// its elements, strides in elements), each key and value converted to fp32 in registers as it
+/// is read: the same operations on the same values as AttendTokens over ConvertKvToFloat's copy
+/// of the blocks, so the same bits (a signaling float16 NaN is quieted; the output it reaches is
+/// NaN either way), with half of the fp32 cache's memory traffic and no copy. Returns false, and
+/// does nothing, where it has no such kernel (CPUs without AVX-512F, head sizes that are not
+/// 16, 32, 48, 64, 80, 96 or 128, other dtypes): the caller converts blocks and calls
+/// AttendTokens instead. Same arguments, scratch and batch invariance as AttendTokens.
+bool AttendTokensSixteenBit(KvCacheDtype dtype, const TokenRow* rows, int num_rows, int shared_keys, int n_kv,
+                            int group, int head_dim, int block_size, const void* k_base, const void* v_base,
+                            int64_t block_stride, int64_t token_stride, float scale, float* scores);
+
 /// dst[i] = the fp32 value of element i of `src` (n elements of `dtype`, cache_types.h): exact
 /// for every float16 and bfloat16 bit pattern (subnormals, inf, NaN), with integer vector
 /// operations in every ISA clone, except float16 on CPUs with AVX-512F, or F16C and AVX2: the

@@ -176,10 +176,16 @@ void PagedKvCache::AttendSixteenBit(const kernels::TokenRow* rows, int64_t count
   // the tables renumbered: bit for bit an fp32 cache holding the same values. A group whose
   // blocks would take more than kMaxScratchBytes of fp32 runs row by row instead (each row's
   // own blocks only), so the scratch stays near one sequence's fp32 keys and values.
+  // Where the kernel converts in registers (AVX-512F, tiled head sizes), no scratch at all.
   constexpr int64_t kMaxScratchBytes = int64_t{32} << 20;
-  thread_local SixteenBitScratch s;
   const int n_kv = config_.n_kv_heads, head_dim = config_.head_dim(), group = config_.n_heads / n_kv;
   const int64_t token_stride = int64_t{n_kv} * head_dim, block_stride = token_stride * block_size_;
+  if (kernels::AttendTokensSixteenBit(dtype_, rows, static_cast<int>(count), shared_keys, n_kv, group, head_dim,
+                                      block_size_, k_store, v_store, block_stride, token_stride, scale,
+                                      scores.data())) {
+    return;
+  }
+  thread_local SixteenBitScratch s;
   const int64_t elem = KvCacheDtypeBytes(dtype_);
   if (static_cast<int64_t>(s.local_of.size()) < num_blocks_) s.local_of.resize(num_blocks_, -1);
   int64_t num_group_blocks = 0;  // an upper bound: blocks counted per row

@@ -234,6 +234,60 @@ TEST(KvCacheDtypeTest, EverySixteenBitPatternConvertsToItsExactValueInEveryIsaVa
   }
 }
 
+/// Finite 16-bit patterns of moderate size (|x| < 4), some of them subnormal: float16 exponents
+/// 0-16, bfloat16 exponents 0 or 112-128.
+std::vector<uint16_t> RandomSixteenBit(KvCacheDtype dtype, size_t n, std::mt19937& rng) {
+  std::vector<uint16_t> out(n);
+  std::uniform_int_distribution<int> bits(0, 0xffff), percent(0, 99);
+  for (uint16_t& x : out) {
+    const int sign = bits(rng) & 1, mantissa = bits(rng), subnormal = percent(rng) < 3;
+    if (dtype == KvCacheDtype::kFloat16) {
+      const int exponent = subnormal ? 0 : bits(rng) % 17;
+      x = static_cast<uint16_t>(sign << 15 | exponent << 10 | (mantissa & 0x3ff));
+    } else {
+      const int exponent = subnormal ? 0 : 112 + bits(rng) % 17;
+      x = static_cast<uint16_t>(sign << 15 | exponent << 7 | (mantissa & 0x7f));
+    }
+  }
+  return out;
+}
+
+// The 16-bit kernel (keys and values converted in registers) against the fp32 kernel over
+// ConvertKvToFloat's copy of the same blocks, grouped rows and shared blocks included: bit for
+// bit. Where it has no kernel (no AVX-512F, head size 8) it must say so and write nothing.
+TEST_P(AttendTokensTest, SixteenBitKernelEqualsFp32KernelOverConvertedBlocks) {
+  const auto [head_dim, block_size, group] = GetParam();
+  std::mt19937 rng(head_dim * 1000 + block_size * 10 + group);
+  const bool has_kernel = __builtin_cpu_supports("avx512f") && head_dim % 16 == 0;
+  for (KvCacheDtype dtype : {KvCacheDtype::kFloat16, KvCacheDtype::kBFloat16}) {
+    for (int shared_blocks : {0, 3}) {
+      AttendCase c(head_dim, block_size, group, shared_blocks, rng);
+      const std::vector<uint16_t> k16 = RandomSixteenBit(dtype, c.k.size(), rng),
+                                  v16 = RandomSixteenBit(dtype, c.v.size(), rng);
+      ConvertKvToFloat(dtype, k16.data(), static_cast<int64_t>(k16.size()), c.k.data());
+      ConvertKvToFloat(dtype, v16.data(), static_cast<int64_t>(v16.size()), c.v.data());
+      std::vector<float> want, got;
+      std::vector<TokenRow> want_rows = c.Rows(want), got_rows = c.Rows(got);
+      std::vector<float> scores(AttendTokensScratch(c.num_rows, c.n_heads(), c.max_len));
+      AttendTokens(want_rows.data(), c.num_rows, shared_blocks * block_size, c.n_kv, group, head_dim, block_size,
+                   c.k.data(), c.v.data(), c.block_stride(), c.token_stride(), c.scale(), scores.data());
+      const bool ran =
+          AttendTokensSixteenBit(dtype, got_rows.data(), c.num_rows, shared_blocks * block_size, c.n_kv, group,
+                                 head_dim, block_size, k16.data(), v16.data(), c.block_stride(), c.token_stride(),
+                                 c.scale(), scores.data());
+      ASSERT_EQ(ran, has_kernel) << KvCacheDtypeName(dtype);
+      if (!ran) {
+        EXPECT_TRUE(std::all_of(got.begin(), got.end(), [](float x) { return x == 0.0f; }));
+        continue;
+      }
+      ASSERT_TRUE(std::all_of(want.begin(), want.end(), [](float x) { return std::isfinite(x); }));
+      EXPECT_EQ(0, std::memcmp(want.data(), got.data(), sizeof(float) * want.size()))
+          << KvCacheDtypeName(dtype) << ", shared blocks " << shared_blocks;
+      EXPECT_LE(c.MaxErrorVsFloat64(got), 2e-5) << KvCacheDtypeName(dtype);
+    }
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(HeadDimsBlockSizesGroups, AttendTokensTest,
                          ::testing::Combine(::testing::Values(8, 48, 64), ::testing::Values(4, 16, 32),
                                             ::testing::Values(1, 2)));

@@ -23,14 +23,20 @@
 #error "VROLL_ISA_VARIANT must be 0 or 1"
 #endif
 
+// VROLL_ISA_PART: which source, compiled with that source's own options (CMake):
+// 0 attention_kernel.cc, 1 cpu_row_kernels.cc, 2 sampler_kernels.cc.
 #define vroll VROLL_ISA_BUILD
-#if VROLL_ISA_SAMPLER_PART  // compiled as sampler_kernels.cc is (-ffp-contract=off)
+#if VROLL_ISA_PART == 2  // compiled as sampler_kernels.cc is (-ffp-contract=off)
 #define VROLL_KERNEL_CLONES VROLL_ISA_SAMPLER
 #include "rollout/sampler_kernels.cc"
-#else
+#elif VROLL_ISA_PART == 1
+#define VROLL_KERNEL_CLONES VROLL_ISA_ATTENTION
+#include "policy/cpu_row_kernels.cc"
+#elif VROLL_ISA_PART == 0  // compiled as attention_kernel.cc is (-fno-associative-math)
 #define VROLL_KERNEL_CLONES VROLL_ISA_ATTENTION
 #include "cache/attention_kernel.cc"
-#include "policy/cpu_row_kernels.cc"
+#else
+#error "VROLL_ISA_PART must be 0, 1 or 2"
 #endif
 #undef VROLL_KERNEL_CLONES
 #undef vroll
@@ -39,7 +45,7 @@
 
 namespace vroll::testing::VROLL_ISA_WRAPPERS {
 
-#if VROLL_ISA_SAMPLER_PART
+#if VROLL_ISA_PART == 2
 namespace rollout_kernels = ::VROLL_ISA_BUILD::rollout::kernels;
 
 float ExpBlock(const float* logits, int n, float inv_t, float max, float* out) {
@@ -50,9 +56,8 @@ void SoftmaxRow(const float* logits, int vocab_size, float inv_t, float* probs, 
   *static_cast<rollout_kernels::RowStats*>(stats) =
       rollout_kernels::SoftmaxRow(logits, vocab_size, inv_t, probs, block_sums);
 }
-#else
+#elif VROLL_ISA_PART == 0
 namespace cache_kernels = ::VROLL_ISA_BUILD::cache::kernels;
-namespace policy_kernels = ::VROLL_ISA_BUILD::policy::kernels;
 
 void AttendTokens(const void* rows, int num_rows, int shared_keys, int n_kv, int group, int head_dim, int block_size,
                   const float* k_base, const float* v_base, int64_t block_stride, int64_t token_stride, float scale,
@@ -64,6 +69,9 @@ void AttendTokens(const void* rows, int num_rows, int shared_keys, int n_kv, int
 void ConvertKvToFloat(int dtype, const void* src, int64_t n, float* dst) {
   cache_kernels::ConvertKvToFloat(static_cast<::VROLL_ISA_BUILD::cache::KvCacheDtype>(dtype), src, n, dst);
 }
+
+#else
+namespace policy_kernels = ::VROLL_ISA_BUILD::policy::kernels;
 
 void RmsNormRow(const float* x, const float* weight, int64_t n, float eps, float* out) {
   policy_kernels::RmsNormRow(x, weight, n, eps, out);
