@@ -72,13 +72,15 @@ struct Float16Element {
 };
 
 __attribute__((always_inline)) inline Vec LoadKv(const float* p) { return Load(p); }
-/// bfloat16: the upper half of an fp32 (zero-extend, shift).
+/// bfloat16: the upper half of an fp32 (zero-extend, shift): VPMOVZXWD of 16 values and VPSLLD
+/// in inline assembly (AVX-512F, zmm operands; as float16 below). GCC 12 widened the vector
+/// extension's version 8 values at a time, then inserted halves: 2.89 s of GRPO attention (15M
+/// shape) against float16's 2.40.
 __attribute__((always_inline)) inline Vec LoadKv(const BFloat16Element* p) {
   U16x16 h;
   std::memcpy(&h, p, sizeof(h));
-  const U32x16 bits = __builtin_convertvector(h, U32x16) << 16;
   Vec v;
-  std::memcpy(&v, &bits, sizeof(v));
+  __asm__("vpmovzxwd %1, %0\n\tvpslld $16, %0, %0" : "=v"(v) : "vm"(h));
   return v;
 }
 /// float16: one VCVTPH2PS of 16 values (AVX-512F), which quiets a signaling NaN (ConvertKvToFloat
