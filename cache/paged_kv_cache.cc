@@ -289,12 +289,14 @@ void PagedKvCache::AttendRange(int layer, const float* q_ptr, const float* k_row
   uint8_t* k_store = static_cast<uint8_t*>(k_[layer].data_ptr());
   uint8_t* v_store = static_cast<uint8_t*>(v_[layer].data_ptr());
   // A 16-bit cache stores the new keys and values rounded to nearest even (LibTorch's conversion).
-  // float16 saturates at its largest finite value (+-65504) rather than becoming inf (inf would
-  // turn the row's attention, and so its logprobs, into NaN).
+  // float16 saturates finite values at its largest finite value (+-65504) rather than becoming inf
+  // (inf would turn the row's attention, and so its logprobs, into NaN). An inf or NaN computed in
+  // fp32 stays one, so the row's logits are non-finite and its sample ends with an error, as with
+  // the other dtypes (clamping inf too had turned such a model's output into normal-looking samples).
   auto stored = [&](const float* rows) {
     at::Tensor x = at::from_blob(const_cast<float*>(rows), {num_tokens, token_stride}, at::kFloat);
     if (dtype_ == KvCacheDtype::kFloat32) return x;
-    if (dtype_ == KvCacheDtype::kFloat16) return x.clamp(-65504.0, 65504.0).to(at::kHalf);
+    if (dtype_ == KvCacheDtype::kFloat16) return at::where(at::isinf(x), x, x.clamp(-65504.0, 65504.0)).to(at::kHalf);
     return x.to(at::kBFloat16);
   };
   const at::Tensor k_stored = stored(k_rows), v_stored = stored(v_rows);

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <numeric>
 #include <random>
 #include <string>
@@ -272,6 +273,34 @@ TEST(PagedKvCacheTest, AFloat16CacheSaturatesValuesBeyondItsRangeInsteadOfStorin
   EXPECT_TRUE(at::isfinite(out).all().item<bool>());
   EXPECT_EQ(paged.keys(0)[1][0][0][0].item<float>(), 65504.0f);   // block 1, slot 0
   EXPECT_EQ(paged.values(0)[1][1][0][1].item<float>(), -65504.0f);  // block 1, slot 1
+}
+
+// Saturation is for finite values only: an inf or NaN key or value (a model that overflowed in
+// fp32) is stored as such, so the rows reading it turn non-finite and the engine reports them,
+// whatever the cache dtype. Row 0 reads key 0 only; row 1 reads keys 0 and 1.
+TEST(PagedKvCacheTest, A16BitCacheKeepsInfinityAndNaNNonFinite) {
+  c10::InferenceMode guard;
+  ModelConfig config = policy::DefaultModelConfig();
+  const int64_t h = config.n_heads, kvh = config.n_kv_heads, d = config.head_dim();
+  for (KvCacheDtype dtype : {KvCacheDtype::kFloat32, KvCacheDtype::kFloat16, KvCacheDtype::kBFloat16}) {
+    for (int which = 0; which < 3; ++which) {  // +inf key, -inf value, NaN value in token 1
+      PagedKvCache paged(config, 4, 4, dtype);
+      paged.SetStep({{0, 2}, {2}, {0, 1}, {1}});
+      at::Tensor q = at::randn({2, h, d}), k = at::randn({2, kvh, d}), v = at::randn({2, kvh, d});
+      q.select(2, 0).fill_(1.0f);  // q . k = +inf for the inf key (a -inf score would just drop that key)
+      if (which == 0) k[1][0][0] = INFINITY;
+      if (which == 1) v[1][0][1] = -INFINITY;
+      if (which == 2) v[1][0][2] = NAN;
+      const at::Tensor out = paged.Attend(0, q, k, v);
+      EXPECT_TRUE(at::isfinite(out[0]).all().item<bool>()) << KvCacheDtypeName(dtype) << " case " << which;
+      EXPECT_FALSE(at::isfinite(out[1]).all().item<bool>()) << KvCacheDtypeName(dtype) << " case " << which;
+      const float stored_key = paged.keys(0)[1][1][0][0].to(at::kFloat).item<float>();     // block 1, slot 1
+      const float stored_value = paged.values(0)[1][1][0][which == 1 ? 1 : 2].to(at::kFloat).item<float>();
+      if (which == 0) EXPECT_EQ(stored_key, INFINITY) << KvCacheDtypeName(dtype);
+      if (which == 1) EXPECT_EQ(stored_value, -INFINITY) << KvCacheDtypeName(dtype);
+      if (which == 2) EXPECT_TRUE(std::isnan(stored_value)) << KvCacheDtypeName(dtype);
+    }
+  }
 }
 
 TEST(PagedKvCacheTest, CopyBlocksCopiesEveryLayer) {
