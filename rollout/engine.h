@@ -263,6 +263,9 @@ class Engine {
   /// EngineConfig::max_num_seqs: the most samples one request may ask for (n), and the most
   /// sequences a step runs.
   int max_num_seqs() const { return config_.max_num_seqs; }
+  /// EngineConfig::kv_cache_dtype: the KV cache's element type (16 bits: the behavior policy's
+  /// keys and values are rounded, so its logprobs differ from an fp32 recompute).
+  cache::KvCacheDtype kv_cache_dtype() const { return config_.kv_cache_dtype; }
   /// The error for a prompt of `num_prompt_tokens` >= max_model_len() (names the cap's cause).
   std::string ContextMessage(size_t num_prompt_tokens) const;
 

@@ -569,6 +569,7 @@ HealthMsg ParseHealth(const MapReader& m, std::string id) {
   h.paused = m.OptBool("paused", false);
   h.update_version = m.OptU64("update_version", 0);
   h.max_num_seqs = m.OptI32("max_num_seqs", 0, 0);
+  h.kv_cache_dtype = m.OptStr("kv_cache_dtype");
   return h;
 }
 
@@ -965,6 +966,7 @@ struct WorkerEncoder {
     w.Bool("paused", m.paused);
     w.Uint("update_version", m.update_version);
     if (m.max_num_seqs > 0) w.Int("max_num_seqs", m.max_num_seqs);
+    if (!m.kv_cache_dtype.empty()) w.Str("kv_cache_dtype", m.kv_cache_dtype);
     return w.Finish();
   }
   std::string operator()(const ErrorMsg& m) const {

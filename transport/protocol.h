@@ -218,6 +218,9 @@ struct HealthMsg {
   /// The most samples one generate request may ask for (the worker's max_num_seqs: a larger n is
   /// refused, bad_field "n"); 0: not reported (a worker older than the field).
   int max_num_seqs = 0;
+  /// The worker's KV cache element type: "float32", "float16" or "bfloat16" (16 bits: the
+  /// logprobs are those of a model whose keys and values are rounded); "": not reported.
+  std::string kv_cache_dtype = {};
 };
 
 /// "error".

@@ -23,6 +23,7 @@
 #include <fmt/format.h>
 #include <zmq.hpp>
 
+#include "cache/cache_types.h"
 #include "policy/errors.h"
 #include "policy/logging.h"
 #include "policy/weight_update.h"
@@ -584,7 +585,8 @@ struct WorkerServer::Impl {
                      kProtocolVersion,
                      engine.paused(),
                      update && update->phase != OpenUpdate::Phase::kPoisoned ? update->version : 0,
-                     engine.max_num_seqs()};
+                     engine.max_num_seqs(),
+                     cache::KvCacheDtypeName(engine.kv_cache_dtype())};
   }
 
   /// A send found `peer`'s connection gone (closed, crashed, or replaced by a reconnect under a

@@ -209,6 +209,9 @@ TEST(ProtocolTest, ReplyMessagesRoundTrip) {
   EXPECT_EQ(rh.max_num_seqs, 0);  // not sent when unknown
   updating.max_num_seqs = 48;
   EXPECT_EQ(RoundTripWorker(updating).max_num_seqs, 48);
+  EXPECT_EQ(rh.kv_cache_dtype, "");  // not sent when unknown
+  updating.kv_cache_dtype = "bfloat16";
+  EXPECT_EQ(RoundTripWorker(updating).kv_cache_dtype, "bfloat16");
   {  // a reply without max_model_len (an older worker) reads it as max_seq_len
     const std::string old_reply = Header("health")
                                       .Set("ok", Value::Bool(true))

@@ -553,6 +553,20 @@ TEST(WorkerServerTest, AKvCacheSmallerThanTheContextIsReportedAndEnforced) {
   EXPECT_EQ(got[1].output_ids.size(), 3u);
 }
 
+// health names the KV cache dtype (a trainer's check that its logprobs come from an unrounded
+// model) and the largest n.
+TEST(WorkerServerTest, HealthReportsTheKvCacheDtypeAndMaxNumSeqs) {
+  for (cache::KvCacheDtype dtype : {cache::KvCacheDtype::kFloat32, cache::KvCacheDtype::kFloat16}) {
+    rollout::EngineConfig engine = SmallEngineConfig();
+    engine.kv_cache_dtype = dtype;
+    engine.max_num_seqs = 7;
+    WorkerHarness worker(WorkerConfig{}, engine);
+    const HealthMsg h = Connect(worker.endpoint())->Health();
+    EXPECT_EQ(h.kv_cache_dtype, cache::KvCacheDtypeName(dtype));
+    EXPECT_EQ(h.max_num_seqs, 7);
+  }
+}
+
 // ---- Vanishing peers ---------------------------------------------------------------------------------
 
 TEST(WorkerServerTest, AClientDisconnectingMidStreamDoesNotDisturbTheOthers) {

@@ -610,7 +610,10 @@ class VrollClient:
         worker runs, max_seq_len or less when its KV cache is too small, rope_layout:
         ``interleaved`` or ``half_split``, the q_proj/k_proj row order pushes must use),
         ``protocol_version``,
-        ``paused`` (bool), ``update_version`` (the version of an update open there; 0: none).
+        ``paused`` (bool), ``update_version`` (the version of an update open there; 0: none),
+        ``max_num_seqs`` (the largest n), ``kv_cache_dtype`` (``float32``, ``float16`` or
+        ``bfloat16``: with 16 bits the logprobs are those of a model whose keys and values are
+        rounded). The last two are absent from older workers.
 
         Args: endpoints: a subset of this client's (default all); timeout_s: overrides the
         client's for this call (a short one makes a liveness probe).
