@@ -255,8 +255,9 @@ std::vector<uint16_t> RandomSixteenBit(KvCacheDtype dtype, size_t n, std::mt1993
 // The 16-bit kernel (keys and values converted in registers) against the fp32 kernel over
 // ConvertKvToFloat's copy of the same blocks, grouped rows and shared blocks included: bit for
 // bit. Where it has no kernel (no AVX-512F, head size 8) it must say so and write nothing.
-TEST_P(AttendTokensTest, SixteenBitKernelEqualsFp32KernelOverConvertedBlocks) {
-  const auto [head_dim, block_size, group] = GetParam();
+void ExpectSixteenBitKernelEqualsFp32Kernel(int head_dim, int block_size, int group) {
+  SCOPED_TRACE("head_dim " + std::to_string(head_dim) + ", block_size " + std::to_string(block_size) + ", group " +
+               std::to_string(group));
   std::mt19937 rng(head_dim * 1000 + block_size * 10 + group);
   const bool has_kernel = __builtin_cpu_supports("avx512f") && head_dim % 16 == 0;
   for (KvCacheDtype dtype : {KvCacheDtype::kFloat16, KvCacheDtype::kBFloat16}) {
@@ -286,6 +287,16 @@ TEST_P(AttendTokensTest, SixteenBitKernelEqualsFp32KernelOverConvertedBlocks) {
       EXPECT_LE(c.MaxErrorVsFloat64(got), 2e-5) << KvCacheDtypeName(dtype);
     }
   }
+}
+
+TEST_P(AttendTokensTest, SixteenBitKernelEqualsFp32KernelOverConvertedBlocks) {
+  const auto [head_dim, block_size, group] = GetParam();
+  ExpectSixteenBitKernelEqualsFp32Kernel(head_dim, block_size, group);
+}
+
+// The other tiled head sizes (16 ... 128) and one without tiles (40), once each.
+TEST(AttendTokensSixteenBitTest, EveryTiledHeadSizeEqualsTheFp32Kernel) {
+  for (int head_dim : {16, 32, 40, 80, 96, 128}) ExpectSixteenBitKernelEqualsFp32Kernel(head_dim, 16, 2);
 }
 
 INSTANTIATE_TEST_SUITE_P(HeadDimsBlockSizesGroups, AttendTokensTest,
