@@ -28,10 +28,12 @@ using SeqId = std::int64_t;
 
 /// Element type of the paged KV storage. fp32 (the default) keeps every key and value as the
 /// model computed it; a 16-bit type halves the bytes per block, so the same memory holds twice
-/// the tokens (a capacity option: attention converts the blocks it reads to fp32 first, which on
-/// the development VM made decode steps 8-14% slower where the fp32 cache fits the L3 cache).
-/// Each new key and value is rounded once, to nearest even, when it is stored; attention
-/// converts back to fp32 exactly and computes in fp32. The logprobs reported are those of this model (the
+/// the tokens, and on CPUs with AVX-512F attention reads half the bytes (converted in registers:
+/// GRPO attention on the 15M shape 2.4 s against 3.8 s with fp32; elsewhere the blocks are
+/// converted into fp32 scratch first, which made decode steps 8-14% slower on an AMD EPYC VM;
+/// docs/KV_CACHE.md). Each new key and value is rounded once, to nearest even, when it is stored
+/// (float16 saturates finite values at +-65504); attention converts back to fp32 exactly and
+/// computes in fp32. The logprobs reported are those of this model (the
 /// behavior policy), which then differs from an fp32 recompute by the rounding (~1e-3 nats for
 /// float16, more for bfloat16). As vLLM's kv_cache_dtype, with IEEE float16 and bfloat16 (the
 /// upper half of an fp32).

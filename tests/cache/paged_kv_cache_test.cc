@@ -296,9 +296,13 @@ TEST(PagedKvCacheTest, A16BitCacheKeepsInfinityAndNaNNonFinite) {
       EXPECT_FALSE(at::isfinite(out[1]).all().item<bool>()) << KvCacheDtypeName(dtype) << " case " << which;
       const float stored_key = paged.keys(0)[1][1][0][0].to(at::kFloat).item<float>();     // block 1, slot 1
       const float stored_value = paged.values(0)[1][1][0][which == 1 ? 1 : 2].to(at::kFloat).item<float>();
-      if (which == 0) EXPECT_EQ(stored_key, INFINITY) << KvCacheDtypeName(dtype);
-      if (which == 1) EXPECT_EQ(stored_value, -INFINITY) << KvCacheDtypeName(dtype);
-      if (which == 2) EXPECT_TRUE(std::isnan(stored_value)) << KvCacheDtypeName(dtype);
+      if (which == 0) {
+        EXPECT_EQ(stored_key, INFINITY) << KvCacheDtypeName(dtype);
+      } else if (which == 1) {
+        EXPECT_EQ(stored_value, -INFINITY) << KvCacheDtypeName(dtype);
+      } else {
+        EXPECT_TRUE(std::isnan(stored_value)) << KvCacheDtypeName(dtype);
+      }
     }
   }
 }
