@@ -17,6 +17,7 @@
 
 #include "examples/fatal_error.h"
 #include "examples/cli_checks.h"
+#include "cache/cache_types.h"
 #include "policy/blas_setup.h"
 #include "policy/default_model.h"
 #include "policy/llama2c_loader.h"
@@ -31,6 +32,7 @@ int main(int argc, char** argv) {
   vroll::rollout::SamplingParams sampling;
   sampling.max_new_tokens = 40;
   uint64_t seed = 0;
+  std::string kv_cache_dtype = "float32";
   CLI::App app{"vroll-offline: rollouts with the engine API, no sockets. Without --model: the " +
                vroll::policy::DefaultModelDescription() + "."};
   app.add_option("--model", model_path, "llama2.c checkpoint")->check(CLI::ExistingFile);
@@ -45,6 +47,7 @@ int main(int argc, char** argv) {
       ->capture_default_str()
       ->check(vroll::examples::Uint64());
   app.add_option("--threads", threads, "intra-op threads (0 = all cores)")->capture_default_str()->check(vroll::examples::IntAtLeast(0));
+  vroll::examples::AddKvCacheDtypeOption(app, kv_cache_dtype);
   CLI11_PARSE(app, argc, argv);
   auto& log = vroll::Logger("examples");
   try {
@@ -59,7 +62,9 @@ int main(int argc, char** argv) {
     if (prompts.empty()) prompts = {"Once upon a time", "One day"};
     sampling.stop_token_ids = {vroll::policy::Tokenizer::kBos, vroll::policy::Tokenizer::kEos};
 
-    vroll::rollout::Engine engine(ckpt, vroll::rollout::EngineConfig{});
+    vroll::rollout::EngineConfig engine_config;
+    engine_config.kv_cache_dtype = vroll::cache::ParseKvCacheDtype(kv_cache_dtype);
+    vroll::rollout::Engine engine(ckpt, engine_config);
     std::vector<vroll::rollout::Request> requests;
     for (size_t i = 0; i < prompts.size(); ++i) {
       vroll::rollout::Request r;

@@ -65,11 +65,7 @@ int main(int argc, char** argv) {
                  "KV cache budget, MiB (sequences are capped at what it holds for one sequence, with a warning, when "
                  "that is less than the model's context)")->capture_default_str()->check(vroll::examples::IntInRange(1, kMaxMiB));
   std::string kv_cache_dtype = "float32";
-  app.add_option("--kv-cache-dtype", kv_cache_dtype,
-                 "KV cache element type: float32, float16 or bfloat16 (16 bits: twice the tokens per MiB; attention "
-                 "faster than float32 on CPUs with AVX-512F, up to ~10% slower on others; keys and values rounded to 16 bits, so logprobs differ from an fp32 recompute by that "
-                 "rounding, as with vLLM's kv_cache_dtype; docs/KV_CACHE.md)")
-      ->capture_default_str()->check(CLI::IsMember({"float32", "fp32", "float16", "fp16", "half", "bfloat16", "bf16"}));
+  vroll::examples::AddKvCacheDtypeOption(app, kv_cache_dtype);
   app.add_option("--max-num-seqs", engine_config.max_num_seqs, "sequences running at once (and the largest n)")
       ->capture_default_str()->check(vroll::examples::IntAtLeast(1));
   app.add_option("--max-num-batched-tokens", engine_config.max_num_batched_tokens, "tokens computed per step")

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# vroll-offline end to end on the embedded default model: --kv-cache-dtype reaches the engine (a
+# 16-bit cache holds twice the blocks of the same memory, as the printed stats show), every sample
+# is printed, and a bad dtype name is refused naming the option.
+set -u
+BIN="$1"
+err=$(mktemp)
+trap 'rm -f "$err"' EXIT
+blocks() { sed -n 's/.* of \([0-9]*\) blocks, prefix hit rate.*/\1/p'; }
+declare -A num_blocks
+for dtype in float32 float16 bfloat16; do
+  out=$(VROLL_LOG_LEVEL=warn "$BIN" --n 3 --max-new-tokens 6 --seed 2 --kv-cache-dtype "$dtype" 2>"$err") ||
+    { echo "$dtype: vroll-offline failed:"; cat "$err"; exit 1; }
+  samples=$(grep -c '^\[prompt[0-9]* #[0-9]*\] v0 ' <<<"$out")
+  [ "$samples" -eq 6 ] || { echo "$dtype: $samples samples printed, want 2 prompts x 3:"; echo "$out"; exit 1; }
+  num_blocks[$dtype]=$(blocks <<<"$out")
+  [ -n "${num_blocks[$dtype]}" ] || { echo "$dtype: no block count in:"; echo "$out"; exit 1; }
+done
+for dtype in float16 bfloat16; do
+  b=${num_blocks[$dtype]} b32=${num_blocks[float32]}
+  if [ "$b" -lt $((2 * b32)) ] || [ "$b" -gt $((2 * b32 + 1)) ]; then
+    echo "$dtype cache: $b blocks, want twice float32's $b32 (the option did not reach the engine?)"; exit 1
+  fi
+done
+if "$BIN" --kv-cache-dtype float8 >/dev/null 2>"$err"; then echo "--kv-cache-dtype float8 accepted"; exit 1; fi
+grep -q -- "--kv-cache-dtype" "$err" || { echo "error does not name --kv-cache-dtype:"; cat "$err"; exit 1; }
+echo "ok: blocks float32 ${num_blocks[float32]}, float16 ${num_blocks[float16]}, bfloat16 ${num_blocks[bfloat16]}"
