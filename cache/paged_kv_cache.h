@@ -19,6 +19,7 @@
 // two-pass (scores, max, exp, sum; then the weighted sum of values), in fp32 (16-bit keys and
 // values are converted to fp32 exactly as they are read).
 
+#include <atomic>
 #include <cstdint>
 #include <utility>
 #include <vector>
@@ -101,6 +102,10 @@ class PagedKvCache : public policy::AttentionBackend {
   KvCacheDtype dtype() const { return dtype_; }
   const at::Tensor& keys(int layer) const { return k_[layer]; }
   const at::Tensor& values(int layer) const { return v_[layer]; }
+  /// float16 cache: finite keys and values stored so far that lay beyond +-65504 and were
+  /// saturated to it (the first time, a warning names the count and the layer: the logprobs then
+  /// differ from an fp32 recompute by more than rounding). 0 for the other dtypes. Thread safe.
+  int64_t num_saturated_values() const { return num_saturated_.load(std::memory_order_relaxed); }
 
  private:
   policy::ModelConfig config_;
@@ -121,6 +126,8 @@ class PagedKvCache : public policy::AttentionBackend {
   std::vector<int32_t> writer_;   // [num_blocks]: SetStep's scratch (all -1 between calls): the sequence writing each block
   const std::vector<PolicyVersion>* block_versions_ = nullptr;
   PolicyVersion expected_version_ = 0;
+  std::atomic<int64_t> num_saturated_{0};
+  std::atomic<bool> warned_saturation_{false};
 };
 
 }  // namespace vroll::cache

@@ -273,6 +273,11 @@ TEST(PagedKvCacheTest, AFloat16CacheSaturatesValuesBeyondItsRangeInsteadOfStorin
   EXPECT_TRUE(at::isfinite(out).all().item<bool>());
   EXPECT_EQ(paged.keys(0)[1][0][0][0].item<float>(), 65504.0f);   // block 1, slot 0
   EXPECT_EQ(paged.values(0)[1][1][0][1].item<float>(), -65504.0f);  // block 1, slot 1
+  EXPECT_EQ(paged.num_saturated_values(), 2);
+  const at::Tensor big = at::randn({2, kvh, d}) * 70000.0f;  // about a third beyond the range
+  paged.Attend(1, q, big, at::randn({2, kvh, d}));
+  EXPECT_EQ(paged.num_saturated_values(), 2 + (at::abs(big) > 65504.0f).sum().item<int64_t>());
+  EXPECT_GT(paged.num_saturated_values(), 2);
 }
 
 // Saturation is for finite values only: an inf or NaN key or value (a model that overflowed in
@@ -296,6 +301,7 @@ TEST(PagedKvCacheTest, A16BitCacheKeepsInfinityAndNaNNonFinite) {
       EXPECT_FALSE(at::isfinite(out[1]).all().item<bool>()) << KvCacheDtypeName(dtype) << " case " << which;
       const float stored_key = paged.keys(0)[1][1][0][0].to(at::kFloat).item<float>();     // block 1, slot 1
       const float stored_value = paged.values(0)[1][1][0][which == 1 ? 1 : 2].to(at::kFloat).item<float>();
+      EXPECT_EQ(paged.num_saturated_values(), 0) << "inf and NaN are not saturated values";
       if (which == 0) {
         EXPECT_EQ(stored_key, INFINITY) << KvCacheDtypeName(dtype);
       } else if (which == 1) {
