@@ -12,11 +12,9 @@ Run by ctest with VROLL_WORKER=<path to vroll-worker>; skipped without it.
 """
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import unittest
 
@@ -27,6 +25,7 @@ REPO = os.path.abspath(os.path.join(HERE, "..", ".."))
 sys.path.insert(0, os.path.join(REPO, "examples", "python"))
 sys.path.insert(0, os.path.join(REPO, "transport", "python"))
 
+from local_worker import start_worker, stop_worker  # noqa: E402
 from vroll_client import SamplingParams, VrollClient  # noqa: E402
 from vroll_llama import DEFAULT_CONFIG, Llama  # noqa: E402
 
@@ -34,12 +33,6 @@ WORKER = os.environ.get("VROLL_WORKER")
 NUM_VERSIONS = 4  # pushed by the trainer process after the initial version 1
 TOL = 1e-4
 WORKER_EXTRA = [[], ["--no-spare-weights"]]  # per worker: its weight-update apply path
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def version_weights(version, seed=1234):
@@ -51,21 +44,6 @@ def version_weights(version, seed=1234):
     for _ in range(2, version + 1):
         weights = {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in sorted(weights.items())}
     return {k: v.contiguous() for k, v in weights.items()}
-
-
-def start_worker(endpoint, extra=()):
-    cmd = [WORKER, "--endpoint", endpoint, "--kv-cache-mb", "32", *extra]
-    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-
-
-def stop(proc):
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 class Recomputer:
@@ -182,20 +160,27 @@ class VersionConsistencyTest(unittest.TestCase):
                                                  os.path.join(REPO, "transport", "python")))
 
     def setUp(self):
-        self.endpoints = [f"tcp://127.0.0.1:{free_port()}" for _ in range(2)]
+        self.tmp = tempfile.TemporaryDirectory(prefix="vroll-e2e-")
+        self.addCleanup(self.tmp.cleanup)
+        self.workers, self.endpoints = [], []
+        self.addCleanup(lambda: [stop_worker(w) for w in self.workers])
         # Worker 1 applies updates in place (--no-spare-weights: copy + repack at the safe point),
         # worker 0 by swapping spare buffers packed while staged (the default): both apply paths
-        # are held to the same oracle.
-        self.workers = [start_worker(ep, ["--update-timeout-ms", "1500", *WORKER_EXTRA[i]])
-                        for i, ep in enumerate(self.endpoints)]
+        # are held to the same oracle. Each binds a port of the kernel's choosing (tcp://...:*).
+        for i in range(2):
+            proc, endpoint = self.start_worker(i)
+            self.workers.append(proc)
+            self.endpoints.append(endpoint)
         self.client = VrollClient(self.endpoints, timeout_s=60)
         self.client.wait_ready(timeout_s=60)
         self.client.push_weights(version_weights(1), 1)
 
+    def start_worker(self, i, endpoint="tcp://127.0.0.1:*"):
+        return start_worker(WORKER, ["--kv-cache-mb", "32", "--update-timeout-ms", "1500", *WORKER_EXTRA[i]],
+                            log_path=os.path.join(self.tmp.name, f"worker{i}.log"), endpoint=endpoint)
+
     def tearDown(self):
         self.client.close()
-        for w in self.workers:
-            stop(w)
 
     def prompts(self, k, offset):
         return [[1] + [3 + (offset * 7 + i * 13 + j * 5) % 256 for j in range(3 + (i + offset) % 9)] for i in range(k)]
@@ -281,7 +266,7 @@ class VersionConsistencyTest(unittest.TestCase):
         self.client.push_weights(version_weights(2), 2)
         self.workers[1].kill()
         self.workers[1].wait()
-        self.workers[1] = start_worker(self.endpoints[1], ["--update-timeout-ms", "1500", *WORKER_EXTRA[1]])
+        self.workers[1], _ = self.start_worker(1, self.endpoints[1])  # the port it had: the client reconnects
         deadline = time.time() + 60
         while True:
             try:
