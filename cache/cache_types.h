@@ -51,11 +51,12 @@ inline const char* KvCacheDtypeName(KvCacheDtype dtype) {
   }
 }
 
-/// Parses a name: float32 (fp32), float16 (fp16, half), bfloat16 (bf16). Throws
-/// std::invalid_argument naming the accepted ones otherwise.
+/// Parses a name: float32 (fp32, f32), float16 (fp16, f16, half), bfloat16 (bf16), the spellings
+/// vroll-convert-hf's --dtype takes too. Throws std::invalid_argument naming the accepted ones
+/// otherwise.
 inline KvCacheDtype ParseKvCacheDtype(const std::string& name) {
-  if (name == "float32" || name == "fp32") return KvCacheDtype::kFloat32;
-  if (name == "float16" || name == "fp16" || name == "half") return KvCacheDtype::kFloat16;
+  if (name == "float32" || name == "fp32" || name == "f32") return KvCacheDtype::kFloat32;
+  if (name == "float16" || name == "fp16" || name == "f16" || name == "half") return KvCacheDtype::kFloat16;
   if (name == "bfloat16" || name == "bf16") return KvCacheDtype::kBFloat16;
   throw std::invalid_argument("KV cache dtype '" + name + "': expected float32, float16 or bfloat16");
 }

@@ -85,7 +85,7 @@ inline CLI::Option* AddKvCacheDtypeOption(CLI::App& app, std::string& dtype) {
                   "to 16 bits, so logprobs differ from an fp32 recompute by that rounding, as with vLLM's "
                   "kv_cache_dtype; docs/KV_CACHE.md)")
       ->capture_default_str()
-      ->check(CLI::IsMember({"float32", "fp32", "float16", "fp16", "half", "bfloat16", "bf16"}));
+      ->check(CLI::IsMember({"float32", "fp32", "f32", "float16", "fp16", "f16", "half", "bfloat16", "bf16"}));
 }
 
 }  // namespace vroll::examples

@@ -30,16 +30,20 @@ int main(int argc, char** argv) {
   CLI::App app{"vroll-convert-hf: convert a llama2.c checkpoint to a Hugging Face LlamaForCausalLM directory."};
   app.add_option("--input", input, "llama2.c checkpoint (.bin)")->required()->check(CLI::ExistingFile);
   app.add_option("--output", output, "directory to write (created; an earlier save there is replaced)")->required();
-  app.add_option("--dtype", dtype_name, "tensor dtype in the files")
+  // The spellings vroll-worker's --kv-cache-dtype takes (ParseKvCacheDtype), and f32/f16.
+  const std::map<std::string, policy::DType> dtypes = {
+      {"f32", policy::DType::kF32},     {"fp32", policy::DType::kF32},  {"float32", policy::DType::kF32},
+      {"f16", policy::DType::kF16},     {"fp16", policy::DType::kF16},  {"float16", policy::DType::kF16},
+      {"half", policy::DType::kF16},    {"bf16", policy::DType::kBF16}, {"bfloat16", policy::DType::kBF16}};
+  app.add_option("--dtype", dtype_name, "tensor dtype in the files: float32 (f32, fp32), float16 (f16, fp16, half) "
+                 "or bfloat16 (bf16)")
       ->capture_default_str()
-      ->check(CLI::IsMember({"f32", "f16", "bf16"}));
+      ->check(CLI::IsMember(dtypes));
   app.add_option("--shard-mb", shard_mb, "largest shard in MB (10^6 bytes of tensor data); 0 = one file")
       ->capture_default_str()
       ->check(vroll::examples::NumberAtLeast(0));
   CLI11_PARSE(app, argc, argv);
 
-  const std::map<std::string, policy::DType> dtypes = {
-      {"f32", policy::DType::kF32}, {"f16", policy::DType::kF16}, {"bf16", policy::DType::kBF16}};
   auto& log = vroll::Logger("examples");
   try {
     const policy::Checkpoint llama2c = policy::LoadLlama2cCheckpoint(input);

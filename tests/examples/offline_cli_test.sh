@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # vroll-offline end to end on the embedded default model: --kv-cache-dtype reaches the engine (a
 # 16-bit cache holds twice the blocks of the same memory, as the printed stats show), every sample
-# is printed, and a bad dtype name is refused naming the option.
+# is printed, every spelling of a dtype gives its blocks, and a bad dtype name is refused naming
+# the option.
 set -u
 BIN="$1"
 err=$(mktemp)
@@ -21,6 +22,13 @@ for dtype in float16 bfloat16; do
   if [ "$b" -lt $((2 * b32)) ] || [ "$b" -gt $((2 * b32 + 1)) ]; then
     echo "$dtype cache: $b blocks, want twice float32's $b32 (the option did not reach the engine?)"; exit 1
   fi
+done
+# The other spellings (vroll-convert-hf's f16 among them) give the same cache.
+for alias in fp32:float32 f32:float32 fp16:float16 f16:float16 half:float16 bf16:bfloat16; do
+  out=$(VROLL_LOG_LEVEL=warn "$BIN" --n 1 --max-new-tokens 1 --kv-cache-dtype "${alias%%:*}" 2>"$err") ||
+    { echo "${alias%%:*}: vroll-offline failed:"; cat "$err"; exit 1; }
+  b=$(blocks <<<"$out")
+  [ "$b" = "${num_blocks[${alias#*:}]}" ] || { echo "${alias%%:*}: $b blocks, ${alias#*:} has ${num_blocks[${alias#*:}]}"; exit 1; }
 done
 if "$BIN" --kv-cache-dtype float8 >/dev/null 2>"$err"; then echo "--kv-cache-dtype float8 accepted"; exit 1; fi
 grep -q -- "--kv-cache-dtype" "$err" || { echo "error does not name --kv-cache-dtype:"; cat "$err"; exit 1; }
