@@ -258,6 +258,7 @@ ModelConfig ParseConfig(const json& root, const std::string& path) {
   config.n_layers = r.PositiveInt("num_hidden_layers");
   config.n_heads = r.PositiveInt("num_attention_heads");
   // Llama: absent or null -> num_attention_heads. Qwen2Config: absent -> 32, null -> heads.
+  const bool kv_heads_implied_by_qwen2 = qwen2 && r.Find("num_key_value_heads") == nullptr;
   if (const json* kv_heads = r.Find("num_key_value_heads"); kv_heads == nullptr) {
     config.n_kv_heads = qwen2 ? 32 : config.n_heads;
   } else {
@@ -298,7 +299,8 @@ ModelConfig ParseConfig(const json& root, const std::string& path) {
   }
   if (config.n_heads % config.n_kv_heads != 0) {
     r.Fail("num_key_value_heads",
-           fmt::format("= {} does not divide num_attention_heads = {}", config.n_kv_heads, config.n_heads));
+           fmt::format("= {}{} does not divide num_attention_heads = {}", config.n_kv_heads,
+                       kv_heads_implied_by_qwen2 ? " (absent: Qwen2Config's default)" : "", config.n_heads));
   }
   if ((config.dim / config.n_heads) % 2 != 0) {
     r.Fail("num_attention_heads",
@@ -412,9 +414,11 @@ TensorEntry ParseTensorEntry(const std::string& path, const std::string& name, c
   if (!first || !second)
     fail(fmt::format("field data_offsets = {} must be [begin, end) non-negative integers", Show(offsets)));
   const uint64_t begin = first.value_or(0), end = second.value_or(0);
-  if (begin > end || end > data_bytes) {
-    fail(fmt::format("field data_offsets = [{}, {}) is out of range: the data buffer holds [0, {})", begin, end,
-                     data_bytes));
+  if (begin > end) fail(fmt::format("field data_offsets = [{}, {}) ends before it begins", begin, end));
+  if (end > data_bytes) {
+    fail(fmt::format("field data_offsets = [{}, {}) is out of range: the data buffer holds [0, {}), so the file "
+                     "ends {} bytes before this tensor does (truncated?)",
+                     begin, end, data_bytes, end - data_bytes));
   }
   if (end - begin != num_bytes) {
     fail(fmt::format("field data_offsets = [{}, {}) spans {} bytes but shape [{}] of {} needs {} bytes", begin, end,
@@ -515,6 +519,45 @@ HostTensor ReadTensor(std::ifstream& in, const SafetensorsFile& file, const Tens
   }
   if (!in) throw LoadError(fmt::format("{}: tensor {}: read failed (did the file change?)", file.path, t.name));
   return tensor;
+}
+
+/// RoPE's inverse frequencies as older Llama conversions store them (a buffer per layer,
+/// model.layers.N.self_attn.rotary_emb.inv_freq, or one model.rotary_emb.inv_freq). Not a
+/// weight: transformers recomputes them from rope_theta and vLLM skips them; so does this loader.
+bool IsRotaryInvFreqBuffer(const std::string& name) {
+  const std::string suffix = "rotary_emb.inv_freq";
+  if (name.size() < suffix.size() || name.compare(name.size() - suffix.size(), suffix.size(), suffix) != 0) return false;
+  if (name == "model." + suffix) return true;
+  const std::string prefix = "model.layers.", middle = ".self_attn." + suffix;
+  if (name.rfind(prefix, 0) != 0 || name.size() <= prefix.size() + middle.size()) return false;
+  const std::string layer = name.substr(prefix.size(), name.size() - prefix.size() - middle.size());
+  return name.compare(name.size() - middle.size(), middle.size(), middle) == 0 && !layer.empty() &&
+         std::all_of(layer.begin(), layer.end(), [](char c) { return c >= '0' && c <= '9'; });
+}
+
+/// Warns (once per checkpoint) when a stored inv_freq buffer is not 1 / rope_theta^(2i / head_dim)
+/// for i in [0, head_dim / 2): a checkpoint trained with other frequencies (rope scaling) would
+/// get plain RoPE here, as in transformers with this config.
+void CheckRotaryInvFreq(const HostTensor& stored, const std::string& name, const std::string& file,
+                        const ModelConfig& config, DType dtype) {
+  const int half = config.head_dim() / 2;
+  if (stored.shape != std::vector<int64_t>{half}) {
+    Logger("policy").warn("{}: ignoring {} of shape [{}] (RoPE frequencies come from rope_theta; head_dim {} gives {})",
+                          file, name, fmt::join(stored.shape, ", "), config.head_dim(), half);
+    return;
+  }
+  // The stored values went through the file's dtype: 2^-8 relative for bfloat16, 2^-11 for float16.
+  const double tolerance = dtype == DType::kBF16 ? 1e-2 : dtype == DType::kF16 ? 2e-3 : 1e-5;
+  for (int i = 0; i < half; ++i) {
+    const double want = 1.0 / std::pow(static_cast<double>(config.rope_theta), 2.0 * i / config.head_dim());
+    if (!(std::abs(stored.data[static_cast<size_t>(i)] - want) <= tolerance * want)) {
+      Logger("policy").warn(
+          "{}: {} element {} = {} but rope_theta = {} gives {}: the checkpoint may use other RoPE frequencies "
+          "(rope scaling?); they are ignored, as transformers does, and plain RoPE with rope_theta is used",
+          file, name, i, stored.data[static_cast<size_t>(i)], config.rope_theta, want);
+      return;
+    }
+  }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -737,6 +780,7 @@ Checkpoint LoadHfCheckpoint(const std::string& dir) {
     }
   }
   bool tied_head_in_file = false;
+  std::set<std::string> rotary_buffers;  // skipped (IsRotaryInvFreqBuffer)
   std::vector<std::string> unexpected;
   for (const auto& [name, loc] : where) {
     if (expected_names.count(name) != 0) continue;
@@ -751,6 +795,10 @@ Checkpoint LoadHfCheckpoint(const std::string& dir) {
       tied_head_in_file = true;
       continue;
     }
+    if (IsRotaryInvFreqBuffer(name)) {
+      rotary_buffers.insert(name);
+      continue;
+    }
     unexpected.push_back(name);
   }
   if (!unexpected.empty()) {
@@ -762,7 +810,18 @@ Checkpoint LoadHfCheckpoint(const std::string& dir) {
   for (size_t f = 0; f < files.size(); ++f) {
     std::ifstream in(files[f].path, std::ios::binary);
     if (!in) throw LoadError(fmt::format("{}: cannot open safetensors file", files[f].path));
-    for (const TensorEntry& t : files[f].tensors) checkpoint.weights.emplace(t.name, ReadTensor(in, files[f], t));
+    for (const TensorEntry& t : files[f].tensors) {
+      if (rotary_buffers.count(t.name) == 0) {
+        checkpoint.weights.emplace(t.name, ReadTensor(in, files[f], t));
+      } else if (t.name == *rotary_buffers.begin()) {  // the others are copies: one check is enough
+        CheckRotaryInvFreq(ReadTensor(in, files[f], t), t.name, files[f].path, config, t.dtype);
+      }
+    }
+  }
+  if (!rotary_buffers.empty()) {
+    Logger("policy").info("{}: ignored {} rotary_emb.inv_freq buffer{} (RoPE frequencies come from rope_theta = {}, "
+                          "as in transformers and vLLM)",
+                          source, rotary_buffers.size(), rotary_buffers.size() == 1 ? "" : "s", config.rope_theta);
   }
   if (tied_head_in_file) {
     const HostTensor& head = checkpoint.weights.at("lm_head.weight");

@@ -48,7 +48,9 @@ namespace vroll::policy {
 ///
 /// Tensors: dtypes F32, F16 and BF16, converted to fp32 exactly. A tied model may also ship
 /// lm_head.weight: it is dropped when bit-identical to model.embed_tokens.weight (after
-/// conversion), refused otherwise.
+/// conversion), refused otherwise. RoPE inverse-frequency buffers that older conversions carry
+/// (model.layers.N.self_attn.rotary_emb.inv_freq, model.rotary_emb.inv_freq) are skipped, as
+/// transformers and vLLM skip them, with a warning if they are not what rope_theta gives.
 ///
 /// Every header and the config are validated before any tensor data is read or allocated.
 /// Throws LoadError whose message names the file and the field or tensor for: a missing or

@@ -68,8 +68,15 @@ void ValidateWeights(const ModelConfig& config, const WeightMap& weights, const 
     // sample's logits NaN.
     const auto bad = std::find_if(t.data.begin(), t.data.end(), [](float v) { return !std::isfinite(v); });
     if (bad != t.data.end()) {
-      throw LoadError(fmt::format("{}: weight {} element {} is {} (weights must be finite)", source, name,
-                                  bad - t.data.begin(), *bad));
+      // Row-major index: [row, column] for a matrix.
+      std::vector<int64_t> index(t.shape.size());
+      int64_t rest = bad - t.data.begin();
+      for (size_t d = t.shape.size(); d-- > 0;) {
+        index[d] = rest % t.shape[d];
+        rest /= t.shape[d];
+      }
+      throw LoadError(fmt::format("{}: weight {} element [{}] is {} (weights must be finite)", source, name,
+                                  fmt::join(index, ", "), *bad));
     }
   }
   if (weights.size() == expected.size()) return;  // every expected name is present, so none is extra

@@ -14,6 +14,8 @@
 #include <filesystem>
 #include <functional>
 #include <map>
+#include <memory>
+#include <sstream>
 #include <string>
 #include <utility>
 #include <vector>
@@ -23,11 +25,13 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 #include <gtest/gtest.h>
+#include <spdlog/sinks/ostream_sink.h>
 
 #include "policy/default_model.h"
 #include "policy/errors.h"
 #include "policy/llama2c_loader.h"
 #include "policy/llama_model.h"
+#include "policy/logging.h"
 #include "policy/weight_update.h"
 #include "tests/support/comparisons.h"
 #include "tests/support/model_oracles.h"
@@ -565,9 +569,10 @@ TEST_F(HfLoaderTest, RejectsOffsetsOutOfRangeAndSizeMismatch) {
   SaveSmall();
   const std::string data(16, '\0');
   ExpectWeightsError(SafetensorsFromHeader(R"({"w": {"dtype": "F32", "shape": [4], "data_offsets": [8, 24]}})", data),
-                     {"tensor w", "data_offsets", "[8, 24)", "out of range", "[0, 16)"});
+                     {"tensor w", "data_offsets", "[8, 24)", "out of range", "[0, 16)",
+                      "the file ends 8 bytes before this tensor does (truncated?)"});
   ExpectWeightsError(SafetensorsFromHeader(R"({"w": {"dtype": "F32", "shape": [4], "data_offsets": [12, 4]}})", data),
-                     {"tensor w", "data_offsets", "out of range"});
+                     {"tensor w", "data_offsets = [12, 4) ends before it begins"});
   ExpectWeightsError(
       SafetensorsFromHeader(R"({"w": {"dtype": "BF16", "shape": [2, 3], "data_offsets": [0, 16]}})", data),
       {"tensor w", "data_offsets", "shape [2, 3]", "12 bytes"});
@@ -603,16 +608,75 @@ TEST_F(HfLoaderTest, RejectsMissingExtraAndMisshapenTensors) {
   ExpectWeightsError(SafetensorsBytes(RawF32(weights)), {"missing tensor model.layers.1.mlp.up_proj.weight"});
 
   weights = saved.weights;
-  weights["model.layers.0.self_attn.rotary_emb.inv_freq"] = HostTensor{{4}, {1, 2, 3, 4}};
+  weights["model.layers.0.self_attn.rotary_emb.cos_cached"] = HostTensor{{4}, {1, 2, 3, 4}};
+  weights["model.layers.x.self_attn.rotary_emb.inv_freq"] = HostTensor{{4}, {1, 2, 3, 4}};  // not a layer
   weights["model.layers.2.mlp.up_proj.weight"] = HostTensor{{2}, {1, 2}};
-  ExpectWeightsError(
-      SafetensorsBytes(RawF32(weights)),
-      {"unexpected tensors", "model.layers.0.self_attn.rotary_emb.inv_freq", "model.layers.2.mlp.up_proj.weight"});
+  ExpectWeightsError(SafetensorsBytes(RawF32(weights)),
+                     {"unexpected tensors", "model.layers.0.self_attn.rotary_emb.cos_cached",
+                      "model.layers.x.self_attn.rotary_emb.inv_freq", "model.layers.2.mlp.up_proj.weight"});
 
   weights = saved.weights;
   weights["model.norm.weight"] = HostTensor{{47}, std::vector<float>(47, 1.0f)};
   ExpectWeightsError(SafetensorsBytes(RawF32(weights)),
                      {"tensor model.norm.weight", "shape [47]", "[48]", "config.json"});
+}
+
+// Older Llama conversions carry RoPE's inverse frequencies as a buffer per layer; transformers
+// recomputes them from rope_theta and vLLM skips them (helper-65: they were refused as
+// unexpected tensors). Skipped here too, with a warning when they are not what rope_theta gives.
+TEST_F(HfLoaderTest, RotaryInvFreqBuffersAreSkippedWithAWarningWhenTheyDisagree) {
+  const Checkpoint saved = SaveSmall();
+  const int half = saved.config.head_dim() / 2;
+  std::vector<float> inv_freq(static_cast<size_t>(half));
+  for (int i = 0; i < half; ++i) inv_freq[i] = static_cast<float>(1.0 / std::pow(500000.0, 2.0 * i / (2 * half)));
+  std::ostringstream log;
+  auto sink = std::make_shared<spdlog::sinks::ostream_sink_mt>(log);
+  Logger("policy").sinks().push_back(sink);
+  const spdlog::level::level_enum level = Logger("policy").level();
+  Logger("policy").set_level(spdlog::level::info);  // whatever VROLL_LOG_LEVEL says
+  struct RestoreLogger {
+    std::shared_ptr<spdlog::sinks::sink> sink;
+    spdlog::level::level_enum level;
+    ~RestoreLogger() {
+      auto& sinks = Logger("policy").sinks();
+      sinks.erase(std::remove(sinks.begin(), sinks.end(), sink), sinks.end());
+      Logger("policy").set_level(level);
+    }
+  } restore_logger{sink, level};
+
+  const auto load_with = [&](const std::vector<float>& values, const std::string& dtype) {
+    std::vector<RawTensor> raw = RawF32(saved.weights);
+    for (int layer = 0; layer < saved.config.n_layers; ++layer) {
+      std::string bytes = FloatBytes(values);
+      if (dtype == "BF16") {  // the upper halves: bfloat16 truncation, within its 2^-8
+        std::string b16;
+        for (size_t i = 0; i < values.size(); ++i) b16 += bytes.substr(4 * i + 2, 2);
+        bytes = b16;
+      }
+      raw.push_back({fmt::format("model.layers.{}.self_attn.rotary_emb.inv_freq", layer), dtype,
+                     {static_cast<int64_t>(values.size())}, bytes});
+    }
+    WriteBytes(PathOf("model.safetensors"), SafetensorsBytes(raw));
+    log.str("");
+    return LoadHfCheckpoint(Dir());
+  };
+  for (const std::string dtype : {"F32", "BF16"}) {
+    SCOPED_TRACE(dtype);
+    const Checkpoint loaded = load_with(inv_freq, dtype);
+    EXPECT_TRUE(BitEqual(loaded.weights, saved.weights));  // the buffers are not weights
+    EXPECT_NE(log.str().find("ignored 2 rotary_emb.inv_freq buffers"), std::string::npos) << log.str();
+    EXPECT_EQ(log.str().find("[warning]"), std::string::npos) << log.str();
+  }
+  // Frequencies of another RoPE (here the last ones divided by 8, as rope scaling does): loaded,
+  // with plain RoPE, and a warning naming the element.
+  std::vector<float> scaled = inv_freq;
+  scaled.back() /= 8;
+  EXPECT_EQ(load_with(scaled, "F32").weights.size(), saved.weights.size());
+  EXPECT_NE(log.str().find(fmt::format("rotary_emb.inv_freq element {} = ", half - 1)), std::string::npos) << log.str();
+  EXPECT_NE(log.str().find("rope scaling?"), std::string::npos) << log.str();
+  // The wrong length: a warning too.
+  load_with(std::vector<float>(inv_freq.begin(), inv_freq.end() - 1), "F32");
+  EXPECT_NE(log.str().find(fmt::format("of shape [{}]", half - 1)), std::string::npos) << log.str();
 }
 
 TEST_F(HfLoaderTest, RejectsBadConfigFields) {
@@ -672,6 +736,11 @@ TEST_F(HfLoaderTest, RejectsBadConfigFields) {
   qwen2["model_type"] = "\"qwen2\"";
   qwen2["use_sliding_window"] = "true";
   ExpectConfigError(qwen2, {"use_sliding_window"});
+  // Absent, Qwen2Config's 32 applies; the error says so (helper-65: it named a value not in the file).
+  qwen2.erase("use_sliding_window");
+  qwen2.erase("num_key_value_heads");
+  ExpectConfigError(qwen2, {"num_key_value_heads = 32 (absent: Qwen2Config's default) does not divide "
+                            "num_attention_heads = 6"});
   WriteBytes(PathOf("config.json"), "{\"hidden_size\": 48,");
   ExpectLoadError({PathOf("config.json"), "not valid JSON"});
 }

@@ -181,10 +181,14 @@ TEST(WeightsTest, ValidateWeightsNamesTheBadWeight) {
   ExpectBadWeights(c, bad, "unexpected weight lm_head.weight");
   bad = weights;
   bad["model.layers.3.mlp.down_proj.weight"].data[777] = std::nanf("");
-  ExpectBadWeights(c, bad, "weight model.layers.3.mlp.down_proj.weight element 777 is nan (weights must be finite)");
+  // Row-major [row, column]: down_proj is [dim 64, hidden_dim 172], 777 = 4 * 172 + 89.
+  ExpectBadWeights(c, bad, "weight model.layers.3.mlp.down_proj.weight element [4, 89] is nan (weights must be finite)");
   bad = weights;
   bad["model.embed_tokens.weight"].data.back() = -INFINITY;
-  ExpectBadWeights(c, bad, "weight model.embed_tokens.weight element 32767 is -inf");
+  ExpectBadWeights(c, bad, "weight model.embed_tokens.weight element [511, 63] is -inf");
+  bad = weights;
+  bad["model.norm.weight"].data[5] = INFINITY;
+  ExpectBadWeights(c, bad, "weight model.norm.weight element [5] is inf");
 }
 
 }  // namespace
