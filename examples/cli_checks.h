@@ -76,6 +76,15 @@ inline CLI::Validator Uint64() {
       "UINT64");
 }
 
+/// --model, as vroll-worker, vroll-offline and vroll-generate take it (policy::LoadCheckpoint).
+inline CLI::Option* AddModelOption(CLI::App& app, std::string& path) {
+  return app
+      .add_option("--model", path,
+                  "llama2.c checkpoint (.bin), or a Hugging Face directory (config.json + model.safetensors or "
+                  "sharded, LlamaForCausalLM / Qwen2ForCausalLM); default: the embedded model")
+      ->check(CLI::ExistingPath);
+}
+
 /// --kv-cache-dtype, as vroll-worker and vroll-offline take it (names ParseKvCacheDtype accepts).
 inline CLI::Option* AddKvCacheDtypeOption(CLI::App& app, std::string& dtype) {
   return app

@@ -1,7 +1,9 @@
-// vroll-generate: text generation with a Llama policy (llama2.c checkpoint + tokenizer, or the
-// embedded default). Prints only the generated text on stdout; logs go to stderr.
+// vroll-generate: text generation with a Llama policy (llama2.c checkpoint or Hugging Face
+// directory, with a llama2.c tokenizer; or the embedded default). Prints only the generated text
+// on stdout; logs go to stderr.
 //
 //   vroll-generate --model stories260K.bin --tokenizer tok512.bin --temperature 0 --max-new-tokens 200
+//   vroll-generate --model stories260K-hf --tokenizer tok512.bin   (a vroll-convert-hf output)
 
 #include <cctype>
 #include <chrono>
@@ -19,7 +21,7 @@
 #include "policy/blas_setup.h"
 #include "policy/contiguous_kv_cache.h"
 #include "policy/default_model.h"
-#include "policy/llama2c_loader.h"
+#include "policy/hf_loader.h"
 #include "policy/llama_model.h"
 #include "policy/logging.h"
 #include "rollout/sampler.h"
@@ -50,7 +52,7 @@ int main(int argc, char** argv) {
   int threads = 0;
   CLI::App app{"vroll-generate: generate text with a Llama policy.\n"
                "With no --model it runs the " + vroll::policy::DefaultModelDescription() + "."};
-  app.add_option("--model", model_path, "llama2.c checkpoint (.bin); default: the embedded model")->check(CLI::ExistingFile);
+  vroll::examples::AddModelOption(app, model_path);
   app.add_option("--tokenizer", tokenizer_path, "llama2.c tokenizer.bin (required with --model)")->check(CLI::ExistingFile);
   app.add_option("--prompt", prompt, "text to continue (default: empty, start from BOS)");
   app.add_option("--max-new-tokens", params.max_new_tokens, "tokens to generate")->capture_default_str()->check(vroll::examples::IntAtLeast(1));
@@ -76,7 +78,7 @@ int main(int argc, char** argv) {
       ckpt = vroll::policy::MakeDefaultCheckpoint();
       tokenizer = vroll::policy::DefaultTokenizer();
     } else {
-      ckpt = vroll::policy::LoadLlama2cCheckpoint(model_path);
+      ckpt = vroll::policy::LoadCheckpoint(model_path);
       tokenizer = vroll::policy::Tokenizer::LoadLlama2c(tokenizer_path, ckpt.config.vocab_size);
     }
     params.stop_token_ids = {vroll::policy::Tokenizer::kBos, vroll::policy::Tokenizer::kEos};

@@ -20,7 +20,7 @@
 #include "cache/cache_types.h"
 #include "policy/blas_setup.h"
 #include "policy/default_model.h"
-#include "policy/llama2c_loader.h"
+#include "policy/hf_loader.h"
 #include "policy/logging.h"
 #include "rollout/engine.h"
 
@@ -35,8 +35,8 @@ int main(int argc, char** argv) {
   std::string kv_cache_dtype = "float32";
   CLI::App app{"vroll-offline: rollouts with the engine API, no sockets. Without --model: the " +
                vroll::policy::DefaultModelDescription() + "."};
-  app.add_option("--model", model_path, "llama2.c checkpoint")->check(CLI::ExistingFile);
-  app.add_option("--tokenizer", tokenizer_path, "llama2.c tokenizer.bin")->check(CLI::ExistingFile);
+  vroll::examples::AddModelOption(app, model_path);
+  app.add_option("--tokenizer", tokenizer_path, "llama2.c tokenizer.bin (required with --model)")->check(CLI::ExistingFile);
   app.add_option("--prompt", prompts, "prompt text (repeatable)");
   app.add_option("--n", n, "samples per prompt")->capture_default_str()->check(vroll::examples::IntAtLeast(1));
   app.add_option("--max-new-tokens", sampling.max_new_tokens, "tokens generated per sample at most")->capture_default_str()->check(vroll::examples::IntAtLeast(1));
@@ -55,7 +55,7 @@ int main(int argc, char** argv) {
     vroll::BlasSelfCheck();
     if (model_path.empty() != tokenizer_path.empty()) throw std::invalid_argument("--model and --tokenizer go together");
     vroll::policy::Checkpoint ckpt = model_path.empty() ? vroll::policy::MakeDefaultCheckpoint()
-                                                        : vroll::policy::LoadLlama2cCheckpoint(model_path);
+                                                        : vroll::policy::LoadCheckpoint(model_path);
     const vroll::policy::Tokenizer tokenizer =
         model_path.empty() ? vroll::policy::DefaultTokenizer()
                            : vroll::policy::Tokenizer::LoadLlama2c(tokenizer_path, ckpt.config.vocab_size);

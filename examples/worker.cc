@@ -10,7 +10,6 @@
 #include <malloc.h>  // malloc_trim (glibc)
 
 #include <csignal>
-#include <filesystem>
 #include <limits>
 #include <cstdio>
 #include <optional>
@@ -23,7 +22,6 @@
 #include "examples/cli_checks.h"
 #include "policy/blas_setup.h"
 #include "policy/default_model.h"
-#include "policy/llama2c_loader.h"
 #include "policy/logging.h"
 #include "policy/hf_loader.h"
 #include "policy/tokenizer.h"
@@ -53,10 +51,7 @@ int main(int argc, char** argv) {
   int threads = 0;
   CLI::App app{"vroll-worker: serve generation and weight updates over ZeroMQ (docs/PROTOCOL.md).\n"
                "With no --model it runs the " + vroll::policy::DefaultModelDescription() + "."};
-  app.add_option("--model", model_path,
-                 "llama2.c checkpoint (.bin), or a Hugging Face directory (config.json + model.safetensors, "
-                 "LlamaForCausalLM / Qwen2ForCausalLM); default: the embedded model")
-      ->check(CLI::ExistingPath);
+  vroll::examples::AddModelOption(app, model_path);
   app.add_option("--tokenizer", tokenizer_path, "llama2.c tokenizer.bin (checked against the model's vocabulary)")
       ->check(CLI::ExistingFile);
   app.add_option("--endpoint", worker_config.endpoint, "tcp://HOST:PORT (tcp://127.0.0.1:* picks a port) or ipc://PATH")
@@ -143,8 +138,7 @@ int main(int argc, char** argv) {
       log.info("no --model: using the {}", vroll::policy::DefaultModelDescription());
       ckpt = vroll::policy::MakeDefaultCheckpoint();
     } else {
-      ckpt = std::filesystem::is_directory(model_path) ? vroll::policy::LoadHfCheckpoint(model_path)
-                                                       : vroll::policy::LoadLlama2cCheckpoint(model_path);
+      ckpt = vroll::policy::LoadCheckpoint(model_path);
       if (!tokenizer_path.empty()) (void)vroll::policy::Tokenizer::LoadLlama2c(tokenizer_path, ckpt.config.vocab_size);
     }
     if (seed) {

@@ -23,6 +23,7 @@
 
 #include "policy/check.h"
 #include "policy/errors.h"
+#include "policy/llama2c_loader.h"
 #include "policy/logging.h"
 
 namespace vroll::policy {
@@ -838,6 +839,36 @@ Checkpoint LoadHfCheckpoint(const std::string& dir) {
   Logger("policy").info("loaded Hugging Face checkpoint {} ({} file{}): {} ({} parameters)", dir, files.size(),
                         files.size() == 1 ? "" : "s", config.ToString(), config.NumParameters());
   return checkpoint;
+}
+
+Checkpoint LoadCheckpoint(const std::string& path) {
+  std::error_code error;
+  if (fs::is_directory(path, error)) return LoadHfCheckpoint(path);
+  if (!fs::exists(path, error)) throw LoadError(fmt::format("{}: no such file or directory", path));
+  const std::string name = fs::path(path).filename().string();
+  const auto ends_with = [&](const std::string& suffix) {
+    return name.size() >= suffix.size() && name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0;
+  };
+  // A safetensors file starts with its header length (u64 little-endian) and the header's '{'; a
+  // llama2.c file with dim and hidden_dim (two int32), which read as that u64 exceed the file.
+  bool safetensors = ends_with(".safetensors");
+  if (!safetensors) {
+    std::ifstream in(path, std::ios::binary);
+    unsigned char head[kHeaderLengthBytes + 1] = {};
+    if (in.read(reinterpret_cast<char*>(head), sizeof head)) {
+      uint64_t header_bytes = 0;
+      std::memcpy(&header_bytes, head, kHeaderLengthBytes);
+      const uintmax_t file_bytes = fs::file_size(path, error);
+      safetensors = !error && head[kHeaderLengthBytes] == '{' && header_bytes <= file_bytes - kHeaderLengthBytes;
+    }
+  }
+  if (safetensors || ends_with(".safetensors.index.json") || name == kConfigFile) {
+    const std::string dir = fs::path(path).parent_path().empty() ? "." : fs::path(path).parent_path().string();
+    throw LoadError(fmt::format("{}: this is a file of a Hugging Face checkpoint; pass its directory {} ({}, and {} "
+                                "or {} with its shards)",
+                                path, dir, kConfigFile, kWeightsFile, kIndexFile));
+  }
+  return LoadLlama2cCheckpoint(path);
 }
 
 void SaveHfCheckpoint(const Checkpoint& checkpoint, const std::string& dir, const HfSaveOptions& options) {

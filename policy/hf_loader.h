@@ -64,6 +64,14 @@ namespace vroll::policy {
 /// info line on success.
 Checkpoint LoadHfCheckpoint(const std::string& dir);
 
+/// Loads the model at `path`, as vroll-worker, vroll-offline and vroll-generate take --model: a
+/// directory is a Hugging Face checkpoint (LoadHfCheckpoint), a file a llama2.c checkpoint
+/// (LoadLlama2cCheckpoint, policy/llama2c_loader.h). A file of the Hugging Face directory itself
+/// (a safetensors file, recognized by its header whatever its name; model.safetensors.index.json;
+/// config.json) is refused with a LoadError naming the directory to pass instead; so is a path that
+/// does not exist. Throws what those loaders throw otherwise.
+Checkpoint LoadCheckpoint(const std::string& path);
+
 /// How SaveHfCheckpoint writes tensors.
 struct HfSaveOptions {
   DType dtype = DType::kF32;     ///< dtype of every tensor in the files (rounded to nearest even)

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # vroll-generate end to end: greedy stories260K from BOS for 200 tokens prints the reference C
 # implementation's text byte for byte (stdout only; logs go to stderr), and the embedded default
-# runs without any file. Exit 77 = skipped (no ../shared).
+# runs without any file; so does a Hugging Face conversion of it. Exit 77 = skipped (no ../shared).
 set -u
 BIN="$1"
 SHARED="$2"
+CONVERT="${3:-}"  # vroll-convert-hf, optional
 out=$(mktemp)
 trap 'rm -f "$out"' EXIT
 # The embedded default needs no files and prints something.
@@ -58,4 +59,26 @@ cat "$SHARED/models/tok512.bin" "$SHARED/models/tok512.bin" >"$out.tok"
 grep -q "6227 bytes follow the model's 512 entries and are ignored" "$out.err" ||
   { echo "no warning about the tokenizer's trailing bytes:"; cat "$out.err"; rm -f "$out.tok" "$out.err"; exit 1; }
 rm -f "$out.tok" "$out.err"
+# A Hugging Face directory (vroll-convert-hf, float32: exact) gives the same text; a file of it is
+# refused naming the directory; every --dtype spelling of float16 writes the same file.
+if [ -n "$CONVERT" ]; then
+  hf=$(mktemp -d)
+  "$CONVERT" --input "$SHARED/models/stories260K.bin" --output "$hf/f32" --dtype fp32 2>/dev/null ||
+    { echo "vroll-convert-hf failed"; rm -rf "$hf"; exit 1; }
+  "$BIN" --model "$hf/f32" --tokenizer "$SHARED/models/tok512.bin" --temperature 0 --max-new-tokens 200 \
+    >"$out" 2>"$hf/err" || { echo "generation from the HF directory failed:"; cat "$hf/err"; rm -rf "$hf"; exit 1; }
+  cmp -s "$out" "$SHARED/reference/stories260K_greedy_n200.txt" ||
+    { echo "the HF directory's text differs from the reference:"; cat "$out"; rm -rf "$hf"; exit 1; }
+  if "$BIN" --model "$hf/f32/model.safetensors" --tokenizer "$SHARED/models/tok512.bin" >"$out" 2>"$hf/err"; then
+    echo "a safetensors file was accepted as --model"; rm -rf "$hf"; exit 1
+  fi
+  grep -qF "pass its directory $hf/f32" "$hf/err" || { echo "no word on the directory:"; cat "$hf/err"; rm -rf "$hf"; exit 1; }
+  for dtype in float16 fp16 f16 half; do
+    "$CONVERT" --input "$SHARED/models/stories260K.bin" --output "$hf/$dtype" --dtype "$dtype" 2>/dev/null ||
+      { echo "vroll-convert-hf --dtype $dtype failed"; rm -rf "$hf"; exit 1; }
+    cmp -s "$hf/float16/model.safetensors" "$hf/$dtype/model.safetensors" ||
+      { echo "--dtype $dtype wrote another file than --dtype float16"; rm -rf "$hf"; exit 1; }
+  done
+  rm -rf "$hf"
+fi
 echo "vroll-generate matches the reference byte for byte"

@@ -679,6 +679,54 @@ TEST_F(HfLoaderTest, RotaryInvFreqBuffersAreSkippedWithAWarningWhenTheyDisagree)
   EXPECT_NE(log.str().find(fmt::format("of shape [{}]", half - 1)), std::string::npos) << log.str();
 }
 
+// LoadCheckpoint (--model of the example programs): a directory loads as Hugging Face, a file as
+// llama2.c, and a file of a Hugging Face directory is refused naming the directory (helper-65: a
+// model.safetensors passed as --model was read as llama2.c: "hidden_dim = 0 must be > 0").
+TEST_F(HfLoaderTest, LoadCheckpointTellsDirectoriesLlama2cFilesAndHfFilesApart) {
+  const Checkpoint saved = SaveSmall();
+  EXPECT_TRUE(BitEqual(LoadCheckpoint(Dir()).weights, saved.weights));
+  Checkpoint interleaved = saved;
+  interleaved.config.rope_layout = RopeLayout::kInterleaved;  // as llama2.c files hold it
+  interleaved.config.norm_eps = 1e-5f;
+  interleaved.config.rope_theta = 10000.0f;
+  SaveLlama2cCheckpoint(interleaved, PathOf("model.bin"));
+  const Checkpoint llama2c = LoadCheckpoint(PathOf("model.bin"));
+  EXPECT_EQ(llama2c.config.ToString(), LoadLlama2cCheckpoint(PathOf("model.bin")).config.ToString());
+  EXPECT_TRUE(BitEqual(llama2c.weights, saved.weights));
+
+  fs::copy_file(PathOf("model.safetensors"), PathOf("weights.bin"));  // recognized by its header
+  HfSaveOptions sharded;
+  sharded.max_shard_bytes = 4000;
+  SaveHfCheckpoint(saved, (dir_ / "sharded").string(), sharded);
+  std::vector<std::string> files = {"model.safetensors", "weights.bin", "config.json",
+                                    "sharded/model.safetensors.index.json"};
+  for (const auto& entry : fs::directory_iterator(dir_ / "sharded")) {
+    if (entry.path().filename().string().rfind("model-00001-of-", 0) == 0)
+      files.push_back("sharded/" + entry.path().filename().string());
+  }
+  ASSERT_EQ(files.size(), 5u) << "no first shard";
+  for (const std::string& file : files) {
+    SCOPED_TRACE(file);
+    ASSERT_TRUE(fs::exists(PathOf(file)));
+    try {
+      LoadCheckpoint(PathOf(file));
+      ADD_FAILURE() << "no LoadError";
+    } catch (const LoadError& e) {
+      const std::string dir = fs::path(PathOf(file)).parent_path().string();
+      EXPECT_NE(std::string(e.what()).find("file of a Hugging Face checkpoint; pass its directory " + dir + " "),
+                std::string::npos)
+          << e.what();
+    }
+  }
+  try {
+    LoadCheckpoint(PathOf("nothing-here"));
+    ADD_FAILURE() << "no LoadError";
+  } catch (const LoadError& e) {
+    EXPECT_NE(std::string(e.what()).find(PathOf("nothing-here") + ": no such file or directory"), std::string::npos)
+        << e.what();
+  }
+}
+
 TEST_F(HfLoaderTest, RejectsBadConfigFields) {
   const Checkpoint saved = SaveSmall();
   const ConfigFields good = LlamaFields(saved.config);
