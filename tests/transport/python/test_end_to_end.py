@@ -269,6 +269,51 @@ class TwoWorkersTest(unittest.TestCase):
         self.assertEqual(len(by_worker), 2)
         self.assertEqual(*by_worker.values())
 
+    def test_an_apply_timeout_says_the_worker_still_applies_the_update(self):
+        # helper-64: a drain update whose apply_timeout_s ran out was reported as "0 worker(s)
+        # applied it", and the worker applied it a second later. The update is in the engine and
+        # cannot be withdrawn: the error says so, from the worker's health, and it does apply.
+        ep = self.endpoints[0]
+        version = max(self.versions()) + 1
+        generator = VrollClient(ep, timeout_s=60, linger_ms=0)
+        done = threading.Event()
+        outs = []
+
+        def generate():
+            try:
+                outs.extend(generator.generate([[1, 72, 105]], SamplingParams(temperature=1.0, max_tokens=240, seed=1),
+                                               n=8))
+            finally:
+                done.set()
+
+        thread = threading.Thread(target=generate)
+        thread.start()
+        try:
+            deadline = time.monotonic() + 30
+            while self.client.stats([ep])[ep]["num_running"] == 0:  # drain has something to wait for
+                self.assertLess(time.monotonic(), deadline, "the generate never ran")
+                time.sleep(0.005)
+            with self.assertRaises(WeightUpdateError) as cm:
+                self.client.push_weights(make_weights(seed=version), version=version, endpoints=[ep],
+                                         mode="drain", apply_timeout_s=0.01)
+            err = cm.exception
+            self.assertEqual((err.phase, err.applied, list(err.failures)), ("apply", [], [ep]))
+            self.assertIsInstance(err.failures[ep], VrollTimeoutError)
+            self.assertIn(ep, err.pending)
+            state = err.pending[ep]
+            self.assertTrue(state.startswith("applied it since") or "applies version" in state, state)
+            self.assertIn(state, str(err))
+            self.assertFalse(done.is_set() and "applies version" in state, "drained before the health reply?")
+        finally:
+            thread.join(60)
+            generator.close(linger_ms=0)
+        self.assertTrue(done.is_set())
+        deadline = time.monotonic() + 30
+        while self.client.health([ep])[ep]["policy_version"] != version:
+            self.assertLess(time.monotonic(), deadline, "the update was never applied")
+            time.sleep(0.01)
+        self.assertEqual([c.policy_version for c in outs[0].outputs], [version - 1] * 8)  # drained under the old
+
     def test_wrong_shape_fails_on_both_and_versions_stay(self):
         before = self.versions()
         weights = make_weights(seed=7)

@@ -692,7 +692,11 @@ class VrollClient:
             than 1 that differs from ``n``, is a ValueError.
           min_policy_version: the workers start a request only once they run this version.
             Over several workers, each is asked its health first, and only those that run it
-            (and are not paused) get requests, when any does (docs/SCALE_OUT.md).
+            (and are not paused) get requests, when any does (docs/SCALE_OUT.md). The wait has
+            no limit of its own: a live worker is not silent (its liveness probes reset
+            timeout_s), so a request for a version no push brings waits until it is aborted;
+            to bound it, use generate_iter and stop iterating, or check health()'s
+            policy_version / update_version first.
           endpoints: spread over these of the client's workers only (default all), e.g. to
             leave out one that is down.
         Returns:
@@ -1076,8 +1080,11 @@ class VrollClient:
             weights_checksum check is skipped then: the local tensors are not all the weights).
           chunk_bytes: bytes per update_chunk frame (must fit the worker's max_message_bytes).
           endpoints: a subset of this client's workers (default all).
-          apply_timeout_s: how long an apply may wait for the safe point (drain mode waits for
-            running samples to finish); default timeout_s.
+          apply_timeout_s: how long to wait for the ``applied`` acknowledgements (drain mode
+            waits for running samples to finish); default timeout_s. An update sent to apply is
+            in the worker's engine and cannot be withdrawn: a worker that has not acknowledged
+            it in time still applies it at its safe point; the WeightUpdateError's ``pending``
+            says so, from the worker's health.
           busy_wait_s: a worker that answers update_begin ``busy`` (another update is open or
             being applied there, e.g. one whose trainer just crashed and that the worker has not
             yet found gone) is asked again, with a back-off from 0.05 s to 1 s, for up to this
@@ -1100,7 +1107,8 @@ class VrollClient:
         Raises:
           TypeError / ValueError: a bad argument or tensor dtype (nothing sent).
           WeightUpdateError: ``phase`` says where (begin, stage, verify: aborted everywhere;
-            apply, checksum: see ``applied``); ``failures`` names each failed worker's error.
+            apply, checksum: see ``applied`` and ``pending``); ``failures`` names each failed
+            worker's error.
         Cost: one XXH3 pass over the bytes as sent, one float32 conversion pass for the
         weights checksum (unless partial), and one send of every byte to every worker.
         """
@@ -1250,7 +1258,9 @@ class VrollClient:
             self._abort_update([self._by_endpoint[ep] for ep, e in failures.items() if not (
                 isinstance(e, VrollTimeoutError) or
                 (isinstance(e, WorkerError) and e.code == "shutting_down"))], update_id)
-            raise WeightUpdateError(version, update_id, "apply", failures, acks)
+            pending = self._apply_timeout_states(
+                [ep for ep, e in failures.items() if isinstance(e, VrollTimeoutError)], version)
+            raise WeightUpdateError(version, update_id, "apply", failures, acks, pending)
 
         for ack in acks:
             if ack.version != version:
@@ -1265,6 +1275,27 @@ class VrollClient:
         if failures:
             raise WeightUpdateError(version, update_id, "checksum", failures, acks)
         return acks
+
+    def _apply_timeout_states(self, endpoints: Sequence[str], version: int) -> Dict[str, str]:
+        """Where each worker whose ``update_apply`` timed out stands (WeightUpdateError.pending).
+        Its engine has the update and applies it at its safe point (drain waits for the running
+        samples), which no message can stop: it is asked for its health, briefly, to say so."""
+        states: Dict[str, str] = {}
+        for endpoint in endpoints:
+            try:
+                health = self.health([endpoint], timeout_s=min(self.timeout_s, _ABORT_TIMEOUT_S))[endpoint]
+            except VrollError as e:
+                states[endpoint] = f"unknown (no health reply: {e}); it may still apply version {version}"
+                continue
+            if health.get("policy_version", 0) >= version:
+                states[endpoint] = f"applied it since (policy_version {health['policy_version']})"
+            elif health.get("update_version") == version:
+                states[endpoint] = (f"still on version {health.get('policy_version')}; applies version {version} "
+                                    "at its next safe point (it cannot be withdrawn)")
+            else:
+                states[endpoint] = (f"on version {health.get('policy_version')} with no update to {version} "
+                                    "open: it will not apply it")
+        return states
 
     def _check_rope_layout(self, workers: Sequence[_Worker], rope_layout: str) -> None:
         """ValueError unless every worker's health reports `rope_layout` (push_weights)."""

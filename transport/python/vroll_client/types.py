@@ -273,18 +273,28 @@ class WeightUpdateError(VrollError):
       applied: UpdateAcks of workers that applied the update (phases ``apply``, ``checksum``);
         empty otherwise: in phases begin/stage/verify every worker was sent ``update_abort`` and
         keeps its previous version.
+      pending: phase ``apply``: {endpoint: state} for each worker whose ``applied``
+        acknowledgement did not come within apply_timeout_s. Such a worker has the update in its
+        engine and applies it at its safe point all the same (no message withdraws it); the
+        state, read from its health when the error was raised, says whether it has applied it
+        since, still will, or cannot be reached. Empty otherwise.
     """
 
     def __init__(self, version: int, update_id: str, phase: str,
-                 failures: Mapping[str, Exception], applied: Sequence[UpdateAck] = ()):
+                 failures: Mapping[str, Exception], applied: Sequence[UpdateAck] = (),
+                 pending: Optional[Mapping[str, str]] = None):
         self.version = version
         self.update_id = update_id
         self.phase = phase
         self.failures = dict(failures)
         self.applied = list(applied)
+        self.pending = dict(pending or {})
         causes = "; ".join(str(exc) for exc in self.failures.values())
         if phase in ("apply", "checksum"):
-            outcome = f"{len(self.applied)} worker(s) applied it"
+            outcome = f"{len(self.applied)} worker(s) acknowledged applying it"
+            if self.pending:
+                outcome += "; not acknowledged in time: " + "; ".join(
+                    f"{endpoint} {state}" for endpoint, state in self.pending.items())
         elif phase == "version":
             outcome = "nothing sent"
         else:
