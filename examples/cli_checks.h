@@ -85,6 +85,17 @@ inline CLI::Option* AddModelOption(CLI::App& app, std::string& path) {
       ->check(CLI::ExistingPath);
 }
 
+/// --block-size, as vroll-worker and vroll-offline take it (EngineConfig::block_size; vLLM's
+/// --block-size). Any size computes the same bits; it sets the prefix cache's granularity.
+inline CLI::Option* AddBlockSizeOption(CLI::App& app, int& block_size) {
+  return app
+      .add_option("--block-size", block_size,
+                  "tokens per KV cache block: the prefix cache reuses whole blocks (smaller: finer reuse, more "
+                  "bookkeeping)")
+      ->capture_default_str()
+      ->check(IntInRange(1, 1 << 16));
+}
+
 /// --kv-cache-dtype, as vroll-worker and vroll-offline take it (names ParseKvCacheDtype accepts).
 inline CLI::Option* AddKvCacheDtypeOption(CLI::App& app, std::string& dtype) {
   return app

@@ -33,6 +33,7 @@ int main(int argc, char** argv) {
   sampling.max_new_tokens = 40;
   uint64_t seed = 0;
   std::string kv_cache_dtype = "float32";
+  int block_size = vroll::rollout::EngineConfig{}.block_size;
   CLI::App app{"vroll-offline: rollouts with the engine API, no sockets. Without --model: the " +
                vroll::policy::DefaultModelDescription() + "."};
   vroll::examples::AddModelOption(app, model_path);
@@ -48,6 +49,7 @@ int main(int argc, char** argv) {
       ->check(vroll::examples::Uint64());
   app.add_option("--threads", threads, "intra-op threads (0 = all cores)")->capture_default_str()->check(vroll::examples::IntAtLeast(0));
   vroll::examples::AddKvCacheDtypeOption(app, kv_cache_dtype);
+  vroll::examples::AddBlockSizeOption(app, block_size);
   CLI11_PARSE(app, argc, argv);
   auto& log = vroll::Logger("examples");
   try {
@@ -64,6 +66,7 @@ int main(int argc, char** argv) {
 
     vroll::rollout::EngineConfig engine_config;
     engine_config.kv_cache_dtype = vroll::cache::ParseKvCacheDtype(kv_cache_dtype);
+    engine_config.block_size = block_size;
     vroll::rollout::Engine engine(ckpt, engine_config);
     std::vector<vroll::rollout::Request> requests;
     for (size_t i = 0; i < prompts.size(); ++i) {

@@ -61,6 +61,7 @@ int main(int argc, char** argv) {
                  "that is less than the model's context)")->capture_default_str()->check(vroll::examples::IntInRange(1, kMaxMiB));
   std::string kv_cache_dtype = "float32";
   vroll::examples::AddKvCacheDtypeOption(app, kv_cache_dtype);
+  vroll::examples::AddBlockSizeOption(app, engine_config.block_size);
   app.add_option("--max-num-seqs", engine_config.max_num_seqs, "sequences running at once (and the largest n)")
       ->capture_default_str()->check(vroll::examples::IntAtLeast(1));
   app.add_option("--max-num-batched-tokens", engine_config.max_num_batched_tokens, "tokens computed per step")

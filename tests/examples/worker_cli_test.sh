@@ -105,7 +105,7 @@ expect_refused way_too_many_threads "$(( cores * 8 + 1 )) threads (--threads) on
 chmod 640 "$dir/a.key"
 "$WORKER" --endpoint "ipc://$dir/both.sock" --curve-secret-key "$dir/a.key" \
   --curve-trainer-keys "$dir/b.pub" --curve-client-keys "$dir/b.pub" --max-queued-replies 1234 \
-  --max-pending-per-client 7 >"$dir/both.out" 2>"$dir/both.err" &
+  --max-pending-per-client 7 --block-size 8 >"$dir/both.out" 2>"$dir/both.err" &
 worker_pid=$!
 for _ in $(seq 600); do
   grep -q "ipc://$dir/both.sock" "$dir/both.out" 2>/dev/null && break
@@ -119,6 +119,7 @@ grep -qF "$dir/a.key: this secret key file is open to group or others (mode 0640
 # The queue options reach the worker's config (its one config line).
 grep -q "send_high_water_mark 1234, max_pending_per_client 7," "$dir/both.err" ||
   fail "--max-queued-replies / --max-pending-per-client not in the worker's config"
+grep -q " blocks x 8 tokens = " "$dir/both.err" || fail "--block-size 8 did not reach the engine's KV cache"
 kill "$worker_pid"
 wait "$worker_pid" || fail "the worker did not exit cleanly on SIGTERM"
 worker_pid=""
