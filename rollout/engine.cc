@@ -448,6 +448,7 @@ void Engine::PublishStats() {
   const int64_t admitted = kv.num_prefix_hit_tokens + kv.num_prefix_miss_tokens;
   counters_.prefix_hit_rate = admitted > 0 ? static_cast<double>(kv.num_prefix_hit_tokens) / admitted : 0.0;
   counters_.num_preemptions = scheduler_->num_preemptions();
+  counters_.num_saturated_kv_values = runner_->num_saturated_kv_values();
   counters_.tokens_per_second = counters_.num_generated_tokens / std::max(1e-9, counters_.busy_seconds);
   counters_.policy_version = version_.load();
   std::lock_guard<std::mutex> lock(mu_);

@@ -132,6 +132,9 @@ struct EngineStats {
   int64_t num_generated_tokens = 0;
   int64_t num_preemptions = 0;
   int64_t num_finished_samples = 0;
+  /// float16 KV cache: finite keys/values that lay beyond +-65504 and were stored as +-65504
+  /// (the logprobs are then not the fp32 model's beyond rounding; docs/KV_CACHE.md). 0 otherwise.
+  int64_t num_saturated_kv_values = 0;
   double busy_seconds = 0;          ///< time spent in steps, of which:
   double schedule_seconds = 0;      ///<   scheduling (block tables, preemption, admission)
   double forward_seconds = 0;       ///<   the model's forward pass (incl. copy-on-write copies),

@@ -307,6 +307,8 @@ std::vector<float*> ModelRunner::StagingBuffers() const {
   return buffers;
 }
 
+int64_t ModelRunner::num_saturated_kv_values() const { return impl_->kv.num_saturated_values(); }
+
 int64_t ModelRunner::num_swapped_groups() const { return impl_->num_swapped_groups; }
 
 int64_t ModelRunner::kv_huge_page_bytes() const {

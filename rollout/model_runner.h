@@ -114,6 +114,10 @@ class ModelRunner {
   /// Storages swapped (rather than copied) by the last ApplyWeights.
   int64_t num_swapped_groups() const;
 
+  /// float16 KV cache: finite keys/values stored so far that lay beyond +-65504 and were saturated
+  /// to it (cache::PagedKvCache::num_saturated_values); 0 for other dtypes. Any thread.
+  int64_t num_saturated_kv_values() const;
+
   /// Bytes of the paged KV storage (keys and values, every layer) backed by transparent huge
   /// pages now, for the engine's start-up log: an upper bound (policy::HugePageBytes counts the
   /// whole mappings the storage lies in), capped at the storage's size; 0 where the kernel gave

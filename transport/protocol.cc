@@ -547,6 +547,7 @@ StatsMsg ParseStats(const MapReader& m, std::string id) {
   e.num_generated_tokens = m.OptI64("num_generated_tokens", 0);
   e.num_preemptions = m.OptI64("num_preemptions", 0);
   e.num_finished_samples = m.OptI64("num_finished_samples", 0);
+  e.num_saturated_kv_values = m.OptI64("num_saturated_kv_values", 0);
   e.tokens_per_second = m.OptDouble("tokens_per_second", 0);
   e.policy_version = m.U64("policy_version");
   e.paused = m.OptBool("paused", false);
@@ -945,6 +946,7 @@ struct WorkerEncoder {
     w.Int("num_generated_tokens", e.num_generated_tokens);
     w.Int("num_preemptions", e.num_preemptions);
     w.Int("num_finished_samples", e.num_finished_samples);
+    w.Int("num_saturated_kv_values", e.num_saturated_kv_values);
     w.Double("tokens_per_second", e.tokens_per_second);
     w.Uint("policy_version", e.policy_version);
     w.Bool("paused", e.paused);

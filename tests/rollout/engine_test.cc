@@ -189,6 +189,28 @@ TEST(EngineTest, ASixteenBitKvCacheHoldsTwiceTheBlocksAndReportsTheRoundedModels
   }
 }
 
+TEST(EngineTest, StatsCountTheValuesAFloat16KvCacheSaturated) {
+  // A model whose layer-0 values lie far beyond float16's range: the float16 cache saturates some
+  // (cache::PagedKvCache counts them, tested exactly in tests/cache); the engine's stats report
+  // that count, and neither fp32 nor bfloat16 (whose range is fp32's) report any.
+  policy::Checkpoint big = Default();
+  for (float& w : big.weights.at("model.layers.0.self_attn.v_proj.weight").data) w *= 1e6f;
+  const std::vector<Request> requests = {MakeRequest("a", {1, 72, 105}, 4, 1.0, 2, 5)};
+  for (cache::KvCacheDtype dtype :
+       {cache::KvCacheDtype::kFloat32, cache::KvCacheDtype::kFloat16, cache::KvCacheDtype::kBFloat16}) {
+    EngineConfig config = SmallConfig();
+    config.kv_cache_dtype = dtype;
+    Engine e(big, config);
+    EXPECT_EQ(e.stats().num_saturated_kv_values, 0);
+    e.Generate(requests);
+    if (dtype == cache::KvCacheDtype::kFloat16) {
+      EXPECT_GT(e.stats().num_saturated_kv_values, 0);
+    } else {
+      EXPECT_EQ(e.stats().num_saturated_kv_values, 0) << cache::KvCacheDtypeName(dtype);
+    }
+  }
+}
+
 TEST(EngineTest, ASixteenBitKvCacheKeepsSeededSamplingBitwiseReproducibleWhateverTheBatch) {
   std::mt19937 rng(3);
   const Request target = MakeRequest("target", RandomPrompt(rng, 9, 259), 30, 0.8, 3, 99);

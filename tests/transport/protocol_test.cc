@@ -186,12 +186,14 @@ TEST(ProtocolTest, ReplyMessagesRoundTrip) {
   e.num_generated_tokens = int64_t{1} << 40;
   e.prefix_hit_rate = 0.75;
   e.num_retired_blocks = 17;
+  e.num_saturated_kv_values = int64_t{5} << 33;
   e.policy_version = 3;
   const StatsMsg rst = RoundTripWorker(StatsMsg{"s", e});
   EXPECT_EQ(rst.stats.num_blocks, 256);
   EXPECT_EQ(rst.stats.num_generated_tokens, int64_t{1} << 40);
   EXPECT_EQ(rst.stats.prefix_hit_rate, 0.75);
   EXPECT_EQ(rst.stats.num_retired_blocks, 17);
+  EXPECT_EQ(rst.stats.num_saturated_kv_values, int64_t{5} << 33);
   EXPECT_EQ(rst.stats.policy_version, 3u);
 
   const HealthMsg rh = RoundTripWorker(HealthMsg{"h", true, 5, {259, 256, 64, 4, 200, ""}, 1});
