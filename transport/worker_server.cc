@@ -10,11 +10,13 @@
 #include <atomic>
 #include <cerrno>
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <map>
 #include <mutex>
 #include <optional>
+#include <random>
 #include <thread>
 #include <unordered_map>
 #include <unordered_set>
@@ -188,6 +190,21 @@ void BindRouter(zmq::socket_t& router, const std::string& configured) {
   }
 }
 
+/// libzmq 4.3.4's ROUTER names each connection that sets no routing id 0x00 + a 32-bit counter
+/// that starts at zmq::generate_random() (rand() | rand() << 31, taken when the socket is made)
+/// and goes up by one per connection, without checking it against the ids peers claimed
+/// (ZMQ_ROUTING_ID): when the next value is already claimed, add_out_pipe's assertion aborts the
+/// process (socket_base.cpp:2130). libzmq never seeds rand(), so every worker started the same
+/// way handed out the same ids, and any peer that could connect (a generate-only CURVE key too)
+/// could claim the next one and take the worker down (helper-66). Seeded from the OS here, the
+/// counter starts where peers cannot know (they never see routing ids; the worker's own log
+/// does name them): a peer holding k connections with claimed ids hits the counter by chance,
+/// once in ~2^32 / k other connections. rand() is process-wide; vroll does not use it otherwise.
+void SeedRoutingIds() {
+  std::random_device device;
+  std::srand(device());
+}
+
 }  // namespace
 
 void CheckEndpointCanBind(const std::string& endpoint) {
@@ -336,6 +353,7 @@ struct WorkerServer::Impl {
     staging = engine.MakeStaging();  // bound to the model's spare buffers: applied by a swap
     outbox = std::make_shared<Outbox>();
     if (config.curve.enabled()) StartZap();
+    SeedRoutingIds();
     router = zmq::socket_t(context, zmq::socket_type::router);
     router.set(zmq::sockopt::linger, config.linger_ms);
     router.set(zmq::sockopt::maxmsgsize, 2 * config.max_message_bytes);

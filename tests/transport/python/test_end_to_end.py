@@ -2,6 +2,7 @@
 default model, ipc:// endpoints with unique paths). Skipped unless VROLL_WORKER names the
 vroll-worker binary (ctest sets it)."""
 import os
+import re
 import select
 import signal
 import subprocess
@@ -12,6 +13,7 @@ import time
 import unittest
 
 import torch
+import zmq
 
 from vroll_client import (SamplingParams, VrollClient, VrollTimeoutError, WeightUpdateError,
                           WorkerError, curve_keypair, weights_checksum)
@@ -676,6 +678,58 @@ class ReplyQueueTest(unittest.TestCase):
 
 
 @unittest.skipUnless(WORKER, SKIP_REASON)
+@unittest.skipUnless(WORKER, SKIP_REASON)
+class RoutingIdTest(unittest.TestCase):
+    """libzmq 4.3.4's ROUTER names a connection that sets no routing id 0x00 + a 32-bit counter
+    started from rand() and does not check it against ids that peers claimed (ZMQ_ROUTING_ID): a
+    collision aborts the process (assertion in socket_base.cpp). With rand() unseeded every worker
+    started the same way handed out the same ids, so any peer could claim the next one and take the
+    worker down (helper-66, with a generate-only CURVE key too). The worker seeds rand()."""
+
+    def test_peers_cannot_claim_the_routing_id_the_next_connection_gets(self):
+        tmp = tempfile.TemporaryDirectory(prefix="vroll-rid-")
+        self.addCleanup(tmp.cleanup)
+        endpoint = f"ipc://{tmp.name}/w.sock"
+        env = {"VROLL_LOG_LEVEL": "info"}  # "paused by peer ID" names the first connection's id
+        first = WorkerProcess(endpoint, tmp.name, "first", env=env)
+        client = VrollClient(endpoint, timeout_s=30, linger_ms=0)
+        try:
+            client.pause()
+            client.resume()
+        finally:
+            client.close(linger_ms=0)
+            first.stop()
+        match = re.search(r"paused by peer ([0-9a-f]{10})\b", first.log())
+        self.assertIsNotNone(match, first.log())
+        first_id = int(match.group(1), 16)
+        # A second worker, started the same way: claim the ids its first connections got last
+        # time, then connect as an ordinary client.
+        second = WorkerProcess(endpoint, tmp.name, "second", env=env)
+        self.addCleanup(second.stop)
+        ctx = zmq.Context.instance()
+        claimers = []
+        for k in range(16):
+            s = ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            s.setsockopt(zmq.ROUTING_ID, (first_id + k).to_bytes(5, "big"))
+            s.connect(endpoint)
+            claimers.append(s)
+        self.addCleanup(lambda: [c.close(0) for c in claimers])
+        time.sleep(0.5)  # let the claiming connections complete their handshakes
+        client = VrollClient(endpoint, timeout_s=10, linger_ms=0)
+        try:
+            health = client.health()[endpoint]
+            self.assertTrue(health["ok"])
+            outs = client.generate([[1, 72]], SamplingParams(max_tokens=4, seed=1), n=2)
+            self.assertEqual([len(c.token_ids) for c in outs[0].outputs], [4, 4])
+        except VrollTimeoutError as e:
+            time.sleep(0.5)
+            self.fail(f"{e}; the worker's exit status: {second.proc.poll()}; log:\n{second.log()[-1500:]}")
+        finally:
+            client.close(linger_ms=0)
+        self.assertIsNone(second.proc.poll(), f"the worker exited; log:\n{second.log()}")
+
+
 class CurveTest(unittest.TestCase):
     def test_trainer_key_may_push_and_client_key_may_only_generate(self):
         def keypair_with_hash():
