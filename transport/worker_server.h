@@ -104,6 +104,9 @@ void CheckEndpointCanBind(const std::string& endpoint);
 /// socket thread; the socket created by the constructor moves to it). Stop() and endpoint() may
 /// be called from any thread, and Stop() also from a signal handler (it only stores an atomic
 /// and writes an eventfd). Destroy only after Run() has returned (or was never called).
+/// The constructor seeds the process's rand() (std::srand) from std::random_device before it
+/// makes the ROUTER: libzmq 4.3.4 starts the routing ids it generates from rand(), and a peer
+/// that knows the next one can crash the process (worker_server.cc, SeedRoutingIds).
 ///
 /// Guarantees: every accepted generate request gets exactly one `sample` per sample, even when
 /// its client is gone (results to a vanished peer are dropped by ZeroMQ); malformed input gets
