@@ -6,6 +6,7 @@
 //
 //   vroll-convert-hf --input stories260K.bin --output stories260K-hf --dtype bf16 --shard-mb 0.2
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -50,7 +51,8 @@ int main(int argc, char** argv) {
     const policy::Checkpoint hf = policy::PermuteForHalfSplitRope(llama2c);
     policy::HfSaveOptions options;
     options.dtype = dtypes.at(dtype_name);
-    options.max_shard_bytes = static_cast<uint64_t>(std::llround(shard_mb * 1e6));
+    // A positive size below half a byte still shards (one tensor per shard), not "0 = one file".
+    options.max_shard_bytes = shard_mb > 0 ? std::max<uint64_t>(1, static_cast<uint64_t>(std::llround(shard_mb * 1e6))) : 0;
     policy::SaveHfCheckpoint(hf, output, options);
 
     // Read it back: what was written must load as the same shape.

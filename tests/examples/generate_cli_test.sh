@@ -79,6 +79,11 @@ if [ -n "$CONVERT" ]; then
     cmp -s "$hf/float16/model.safetensors" "$hf/$dtype/model.safetensors" ||
       { echo "--dtype $dtype wrote another file than --dtype float16"; rm -rf "$hf"; exit 1; }
   done
+  # Any positive --shard-mb shards, even one below half a byte (helper-65: it rounded to 0, one file).
+  "$CONVERT" --input "$SHARED/models/stories260K.bin" --output "$hf/tiny" --shard-mb 1e-9 2>/dev/null ||
+    { echo "vroll-convert-hf --shard-mb 1e-9 failed"; rm -rf "$hf"; exit 1; }
+  [ -f "$hf/tiny/model.safetensors.index.json" ] && [ ! -f "$hf/tiny/model.safetensors" ] ||
+    { echo "--shard-mb 1e-9 wrote one file:"; ls "$hf/tiny"; rm -rf "$hf"; exit 1; }
   rm -rf "$hf"
 fi
 echo "vroll-generate matches the reference byte for byte"
