@@ -305,7 +305,6 @@ class TwoWorkersTest(unittest.TestCase):
             state = err.pending[ep]
             self.assertTrue(state.startswith("applied it since") or "applies version" in state, state)
             self.assertIn(state, str(err))
-            self.assertFalse(done.is_set() and "applies version" in state, "drained before the health reply?")
         finally:
             thread.join(60)
             generator.close(linger_ms=0)
