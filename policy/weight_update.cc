@@ -804,9 +804,18 @@ UpdateStatus CheckWeightsFinite(const std::vector<VerifiedTensor>& verified) {
   for (const VerifiedTensor& t : verified) {
     if (t.first_nonfinite) {
       const uint64_t i = *t.first_nonfinite;
-      return UpdateStatus::Error(
-          fmt::format("tensor {}: element {} is {} (weights must be finite)", t.param->name, i, (*t.values)[i]),
-          t.param->name);
+      // Row-major [row, column] (as the loaders name it), and the flat index the chunks' offsets
+      // count in (byte offset = 4 * flat for float32 tensors sent).
+      std::vector<int64_t> index(t.param->shape.size());
+      uint64_t rest = i;
+      for (size_t d = index.size(); d-- > 0;) {
+        const auto extent = static_cast<uint64_t>(std::max<int64_t>(t.param->shape[d], 1));
+        index[d] = static_cast<int64_t>(rest % extent);
+        rest /= extent;
+      }
+      return UpdateStatus::Error(fmt::format("tensor {}: element [{}] (flat {}) is {} (weights must be finite)",
+                                             t.param->name, fmt::join(index, ", "), i, (*t.values)[i]),
+                                 t.param->name);
     }
   }
   return UpdateStatus::Ok();

@@ -141,11 +141,11 @@ TEST_F(PolicyVersionTest, FailedUpdatesNeverPublishAVersion) {
   EXPECT_NE(ack.error.find("model.norm.weight"), std::string::npos) << ack.error;
 
   WeightMap nan = Perturbed(base_, 14);
-  nan["model.layers.0.self_attn.o_proj.weight"].data[17] = std::nanf("");
+  nan["model.layers.0.self_attn.o_proj.weight"].data[2 * 64 + 5] = std::nanf("");  // [dim 64, dim 64]: row 2
   ack = e.UpdateWeights(nan, 1);
   EXPECT_FALSE(ack.ok);
   // Worded as every other update error, with the version it was for.
-  EXPECT_EQ(ack.error.rfind("weight update to version 1: tensor model.layers.0.self_attn.o_proj.weight: element 17 is "
+  EXPECT_EQ(ack.error.rfind("weight update to version 1: tensor model.layers.0.self_attn.o_proj.weight: element [2, 5] (flat 133) is "
                             "nan",
                             0),
             0u)

@@ -1332,7 +1332,7 @@ TEST(WorkerServerTest, ANonFiniteWeightFailsTheCommitEvenWithoutApply) {
         ADD_FAILURE() << "a push holding " << bad << " was " << (apply ? "applied" : "verified");
       } catch (const WorkerError& e) {
         EXPECT_EQ(e.error().code, ErrorCode::kUpdateFailed);
-        EXPECT_EQ(e.error().message.rfind("weight update to version 1: tensor model.norm.weight: element 37 is", 0), 0u)
+        EXPECT_EQ(e.error().message.rfind("weight update to version 1: tensor model.norm.weight: element [37] (flat 37) is", 0), 0u)
             << e.error().message;
         EXPECT_EQ(e.tensor(), "model.norm.weight");
       }
