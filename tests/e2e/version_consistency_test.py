@@ -123,7 +123,7 @@ from vroll_client import VrollClient
 client = VrollClient({endpoints!r}, timeout_s=120)
 for v in range(2, {last} + 1):
     time.sleep({interval})
-    acks = client.push_weights(version_weights(v), v, mode={mode!r})
+    acks = client.push_weights(version_weights(v), v, mode={mode!r}, rope_layout='interleaved')
     print("pushed", v, [a.version for a in acks], flush=True)
 """
 
@@ -173,7 +173,7 @@ class VersionConsistencyTest(unittest.TestCase):
             self.endpoints.append(endpoint)
         self.client = VrollClient(self.endpoints, timeout_s=60)
         self.client.wait_ready(timeout_s=60)
-        self.client.push_weights(version_weights(1), 1)
+        self.client.push_weights(version_weights(1), 1, rope_layout='interleaved')
 
     def start_worker(self, i, endpoint="tcp://127.0.0.1:*"):
         return start_worker(WORKER, ["--kv-cache-mb", "32", "--update-timeout-ms", "1500", *WORKER_EXTRA[i]],
@@ -259,18 +259,18 @@ class VersionConsistencyTest(unittest.TestCase):
         for c in out[0].outputs:
             self.assertEqual(c.policy_version, 1)
             check_sample(self, self.rec, prompt[0], c, 2)
-        acks = self.client.push_weights(version_weights(2), 2)  # a new update still works
+        acks = self.client.push_weights(version_weights(2), 2, rope_layout='interleaved')  # a new update still works
         self.assertTrue(all(a.version == 2 for a in acks))
 
     def test_worker_killed_and_restarted_gets_current_weights_again(self):
-        self.client.push_weights(version_weights(2), 2)
+        self.client.push_weights(version_weights(2), 2, rope_layout='interleaved')
         self.workers[1].kill()
         self.workers[1].wait()
         self.workers[1], _ = self.start_worker(1, self.endpoints[1])  # the port it had: the client reconnects
         deadline = time.time() + 60
         while True:
             try:
-                self.client.ensure_weights(version_weights(2), 2)
+                self.client.ensure_weights(version_weights(2), 2, rope_layout='interleaved')
                 break
             except Exception:  # noqa: BLE001 - the restarted worker is not up yet
                 self.assertLess(time.time(), deadline, "restarted worker never came back")

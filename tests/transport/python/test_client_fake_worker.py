@@ -597,8 +597,8 @@ class PushWeightsTest(FakeWorkerTestCase):
             self.assertIs(commit["apply"], False)
         emb = self.workers[0].weights["model.embed_tokens.weight"]
         np.testing.assert_array_equal(emb, weights["model.embed_tokens.weight"].float().numpy())
-        for worker in self.workers:  # not declared: not sent
-            self.assertNotIn("rope_layout", worker.received[0][1])
+        for worker in self.workers:  # not declared: Hugging Face order, for the worker to check
+            self.assertEqual(worker.received[0][1]["rope_layout"], "half_split")
 
     def test_a_declared_rope_layout_travels_in_update_begin(self):
         # The client checks it against health before sending, and sends it in update_begin so

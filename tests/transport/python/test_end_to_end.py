@@ -253,7 +253,7 @@ class TwoWorkersTest(unittest.TestCase):
     def test_two_phase_push_to_both_then_samples_carry_the_new_version(self):
         version = max(self.versions()) + 1
         weights = make_weights(seed=version)
-        acks = self.client.push_weights(weights, version=version, chunk_bytes=4096 + 3)
+        acks = self.client.push_weights(weights, version=version, chunk_bytes=4096 + 3, rope_layout=None)
         expected = weights_checksum(weights)
         self.assertEqual([a.worker for a in acks], self.endpoints)
         for ack in acks:
@@ -297,7 +297,7 @@ class TwoWorkersTest(unittest.TestCase):
                 time.sleep(0.005)
             with self.assertRaises(WeightUpdateError) as cm:
                 self.client.push_weights(make_weights(seed=version), version=version, endpoints=[ep],
-                                         mode="drain", apply_timeout_s=0.01)
+                                         mode="drain", apply_timeout_s=0.01, rope_layout=None)
             err = cm.exception
             self.assertEqual((err.phase, err.applied, list(err.failures)), ("apply", [], [ep]))
             self.assertIsInstance(err.failures[ep], VrollTimeoutError)
@@ -320,7 +320,7 @@ class TwoWorkersTest(unittest.TestCase):
         weights = make_weights(seed=7)
         weights["model.layers.1.mlp.up_proj.weight"] = torch.zeros(HIDDEN + 1, DIM)
         with self.assertRaises(WeightUpdateError) as cm:
-            self.client.push_weights(weights, version=max(before) + 1)
+            self.client.push_weights(weights, version=max(before) + 1, rope_layout=None)
         err = cm.exception
         self.assertIn(err.phase, ("begin", "verify"))
         self.assertEqual(set(err.failures), set(self.endpoints))
@@ -332,7 +332,7 @@ class TwoWorkersTest(unittest.TestCase):
         outs = self.client.generate([[1, 2, 3]] * 2, SamplingParams(max_tokens=4), n=2)
         self.assertEqual([len(o.outputs) for o in outs], [2, 2])
         # The failed update left nothing open: the next push goes through.
-        self.client.push_weights(make_weights(seed=8), version=max(before) + 1)
+        self.client.push_weights(make_weights(seed=8), version=max(before) + 1, rope_layout=None)
         self.assertEqual(self.versions(), [max(before) + 1] * 2)
 
     def test_a_tied_models_state_dict_with_lm_head_pushes_and_a_differing_head_is_refused(self):
@@ -342,7 +342,7 @@ class TwoWorkersTest(unittest.TestCase):
         weights = make_weights(seed=21)
         state_dict = {**weights, "lm_head.weight": weights["model.embed_tokens.weight"]}
         version = max(before) + 1
-        acks = self.client.push_weights(state_dict, version=version, chunk_bytes=5000)
+        acks = self.client.push_weights(state_dict, version=version, chunk_bytes=5000, rope_layout=None)
         for ack in acks:  # the worker holds one matrix: the checksum of the weights without the copy
             self.assertEqual((ack.stage, ack.version, ack.weights_checksum),
                              ("applied", version, weights_checksum(weights)))
@@ -352,7 +352,7 @@ class TwoWorkersTest(unittest.TestCase):
         other = make_weights(seed=22)
         other["lm_head.weight"] = other["model.embed_tokens.weight"] * 2
         with self.assertRaises(WeightUpdateError) as cm:
-            self.client.push_weights(other, version=version + 1)
+            self.client.push_weights(other, version=version + 1, rope_layout=None)
         self.assertEqual(cm.exception.phase, "begin")
         self.assertEqual(set(cm.exception.failures), set(self.endpoints))
         for failure in cm.exception.failures.values():
@@ -388,6 +388,28 @@ class TwoWorkersTest(unittest.TestCase):
         acks = self.client.push_weights(weights, version=max(before) + 1, rope_layout="interleaved")
         self.assertEqual([a.version for a in acks], [max(before) + 1] * 2)
 
+    def test_an_undeclared_rope_layout_means_hugging_face_order_which_the_worker_checks(self):
+        # helper-67: the README's push_weights(named_tensors, version), given Hugging Face-order
+        # weights, was applied to a worker running a llama2.c checkpoint (interleaved RoPE) and
+        # it generated garbage. Undeclared now means half_split, checked in update_begin: refused
+        # on both workers (phase begin, aborted everywhere), naming the layouts and the way out.
+        before = self.versions()
+        weights = make_weights(seed=32)
+        with self.assertRaises(WeightUpdateError) as cm:
+            self.client.push_weights(weights, version=max(before) + 1)
+        err = cm.exception
+        self.assertEqual((err.phase, sorted(err.failures)), ("begin", sorted(self.endpoints)))
+        for failure in err.failures.values():
+            self.assertEqual((failure.code, failure.field), ("bad_field", "rope_layout"))
+        self.assertIn("the model computes RoPE interleaved", str(err))
+        self.assertIn("pass rope_layout='interleaved' for llama2.c-ordered weights", str(err))
+        self.assertEqual(self.versions(), before)
+        for h in self.client.health().values():
+            self.assertEqual(h["update_version"], 0)
+        with self.assertRaises(WeightUpdateError):  # ensure_weights has the same default
+            self.client.ensure_weights(weights, version=max(before) + 1)
+        self.assertEqual(self.versions(), before)
+
     def test_bad_checksum_in_one_workers_stream_is_aborted_everywhere(self):
         before = self.versions()
         weights = make_weights(seed=9)
@@ -409,7 +431,7 @@ class TwoWorkersTest(unittest.TestCase):
 
             client._send = corrupting_send
             with self.assertRaises(WeightUpdateError) as cm:
-                client.push_weights(weights, version=max(before) + 1)
+                client.push_weights(weights, version=max(before) + 1, rope_layout=None)
         finally:
             client.close(linger_ms=0)
         self.assertEqual(cm.exception.phase, "verify")
@@ -440,7 +462,7 @@ class TwoWorkersTest(unittest.TestCase):
             client._send = duplicating_send
             with self.assertRaises(WeightUpdateError) as cm:
                 client.push_weights(make_weights(seed=10), version=max(before) + 1,
-                                    chunk_bytes=1024)
+                                    chunk_bytes=1024, rope_layout=None)
         finally:
             client.close(linger_ms=0)
         self.assertEqual(cm.exception.phase, "stage")
@@ -449,7 +471,7 @@ class TwoWorkersTest(unittest.TestCase):
         self.assertEqual((failure.code, failure.request), ("update_failed", "update_chunk"))
         self.assertEqual(failure.tensor, state["tensor"])
         self.assertEqual(self.versions(), before)
-        self.client.push_weights(make_weights(seed=10), version=max(before) + 1)
+        self.client.push_weights(make_weights(seed=10), version=max(before) + 1, rope_layout=None)
 
     def test_generate_iter_yields_groups_as_they_complete_and_an_early_exit_aborts_the_rest(self):
         short, long_ = SamplingParams(temperature=1.0, max_tokens=4), SamplingParams(
@@ -507,7 +529,7 @@ class WorkerRestartTest(unittest.TestCase):
     def test_killed_and_restarted_worker_gets_its_weights_back_via_ensure_weights(self):
         weights = make_weights(seed=11)
         with VrollClient(self.endpoints, timeout_s=3, linger_ms=0) as client:
-            client.push_weights(weights, version=5)
+            client.push_weights(weights, version=5, rope_layout=None)
             self.workers[1].kill()
 
             # Requests to the dead worker time out and name it; the live one keeps serving.
@@ -527,11 +549,11 @@ class WorkerRestartTest(unittest.TestCase):
             self.assertEqual(stats["num_running"] + stats["num_waiting"] +
                              stats["num_finished_samples"], 0)
 
-            acks = client.ensure_weights(weights, version=5)
+            acks = client.ensure_weights(weights, version=5, rope_layout=None)
             self.assertEqual([a.worker for a in acks], [self.endpoints[1]])
             self.assertEqual(acks[0].weights_checksum, weights_checksum(weights))
             self.assertEqual([h["policy_version"] for h in client.health().values()], [5, 5])
-            self.assertEqual(client.ensure_weights(weights, version=5), [])
+            self.assertEqual(client.ensure_weights(weights, version=5, rope_layout=None), [])
 
             outs = client.generate([[1, 70]] * 4, SamplingParams(max_tokens=5, seed=4),
                                    min_policy_version=5)
@@ -577,7 +599,7 @@ class SlowPeerTest(unittest.TestCase):
         weights = make_weights(seed=21)
         self.fake.verify_delay_s = 3.0  # three of the real worker's update timeouts
         start = time.monotonic()
-        self.check_applied(self.client.push_weights(weights, version=1), weights, 1)
+        self.check_applied(self.client.push_weights(weights, version=1, rope_layout=None), weights, 1)
         self.assertGreaterEqual(time.monotonic() - start, 3.0)
         # The same update stayed open: the commit was repeated, and it never timed out.
         self.assertIn("update_commit repeated on a verified update", self.worker.log())
@@ -599,7 +621,7 @@ class SlowPeerTest(unittest.TestCase):
 
         self.client._send = stopping_send
         try:
-            acks = self.client.push_weights(weights, version=1)
+            acks = self.client.push_weights(weights, version=1, rope_layout=None)
         finally:
             self.client._send = original
             os.kill(pid, signal.SIGCONT)
@@ -610,7 +632,7 @@ class SlowPeerTest(unittest.TestCase):
         weights = make_weights(seed=22)
         self.fake.busy_begins = 6  # asked again after 0.05 + 0.1 + ... + 1 s: about 2.5 s
         start = time.monotonic()
-        self.check_applied(self.client.push_weights(weights, version=1), weights, 1)
+        self.check_applied(self.client.push_weights(weights, version=1, rope_layout=None), weights, 1)
         self.assertGreaterEqual(time.monotonic() - start, 2.0)
         self.assertEqual(self.fake.types().count("update_begin"), 7)
         # The same update stayed open: its begin was repeated, and it never timed out.
@@ -751,13 +773,13 @@ class CurveTest(unittest.TestCase):
             try:
                 with VrollClient(endpoint, curve_server_key=worker_pub, curve_client_keys=trainer,
                                  timeout_s=60) as client:
-                    self.assertEqual(client.push_weights(make_weights(1), version=1)[0].version, 1)
+                    self.assertEqual(client.push_weights(make_weights(1), version=1, rope_layout=None)[0].version, 1)
                 with VrollClient(endpoint, curve_server_key=worker_pub, curve_client_keys=sampler,
                                  timeout_s=60) as client:
                     out = client.generate([[1, 2]], SamplingParams(max_tokens=3))
                     self.assertEqual(out[0].outputs[0].policy_version, 1)
                     with self.assertRaises(WeightUpdateError) as cm:
-                        client.push_weights(make_weights(2), version=2)
+                        client.push_weights(make_weights(2), version=2, rope_layout=None)
                     self.assertEqual(cm.exception.failures[endpoint].code, "unauthorized")
                     with self.assertRaises(WorkerError) as cm:
                         client.pause()

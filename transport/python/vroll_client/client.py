@@ -41,6 +41,20 @@ KeyLike = Union[str, bytes]
 _MAX_OVERLOAD_BACKOFF_S = 1.0
 #: How long update_abort may take when cleaning up after a failed push.
 _ABORT_TIMEOUT_S = 10.0
+
+# push_weights/ensure_weights' rope_layout when the caller gives none: the order of a transformers
+# state_dict, sent in update_begin for the worker to check (docstring of push_weights).
+HF_ROPE_LAYOUT = "half_split"
+
+
+class _DefaultRopeLayout(str):
+    """The rope_layout default: HF_ROPE_LAYOUT, told apart from the same value given explicitly."""
+
+
+_DEFAULT_ROPE_LAYOUT = _DefaultRopeLayout(HF_ROPE_LAYOUT)
+_ROPE_LAYOUT_HINT = ("push_weights assumes Hugging Face (half_split) q_proj/k_proj row order unless told: pass "
+                     "rope_layout='interleaved' for llama2.c-ordered weights (e.g. vroll_llama's hf_state_dict()), "
+                     "or permute the rows")
 #: How long the socket of a worker that went silent during generate lingers, after a reset, to
 #: deliver the aborts of its requests.
 _SILENCE_ABORT_LINGER_MS = 100
@@ -1055,7 +1069,7 @@ class VrollClient:
                      endpoints: Optional[Sequence[str]] = None,
                      apply_timeout_s: Optional[float] = None,
                      busy_wait_s: float = 5.0,
-                     rope_layout: Optional[str] = None) -> List[UpdateAck]:
+                     rope_layout: Optional[str] = _DEFAULT_ROPE_LAYOUT) -> List[UpdateAck]:
         """Pushes new weights to the workers as one all-or-nothing update; returns each
         worker's ``applied`` acknowledgement, in endpoint order.
 
@@ -1092,11 +1106,14 @@ class VrollClient:
             update_timeout_ms, 30 s by default).
           rope_layout: the RoPE layout the q_proj/k_proj rows of named_tensors are in,
             ``"interleaved"`` (llama2.c order, e.g. examples/python/vroll_llama.py) or
-            ``"half_split"`` (Hugging Face order); when given, every worker's health must report
-            the same (a worker that loaded the other kind of checkpoint would compute garbage
-            from these weights, passing every other check), else ValueError, nothing sent; it is
-            also sent in update_begin, where the worker checks it again (bad_field
-            ``rope_layout``).
+            ``"half_split"`` (Hugging Face order, e.g. a transformers model's state_dict()). A
+            worker that loaded the other kind of checkpoint would compute garbage from these
+            weights, passing every other check. Given, every worker's health must report the
+            same, else ValueError, nothing sent; it is also sent in update_begin, where the
+            worker checks it again (bad_field ``rope_layout``). Not given: ``"half_split"`` is
+            sent in update_begin and checked there by the worker (a mismatch fails phase
+            ``begin``, aborted everywhere, naming the layouts); workers older than the field
+            are not checked. None: not checked anywhere.
         Returns:
           list[UpdateAck] with stage ``applied``, version == ``version`` and (full updates)
           weights_checksum == weights_checksum(named_tensors); for a worker whose model ties
@@ -1128,8 +1145,10 @@ class VrollClient:
         busy_wait_s = _check_seconds("busy_wait_s", busy_wait_s)
         if rope_layout not in (None, "interleaved", "half_split"):
             raise ValueError(f"rope_layout = {rope_layout!r}; one of None, 'interleaved', 'half_split'")
+        rope_layout_defaulted = isinstance(rope_layout, _DefaultRopeLayout)
+        rope_layout = str(rope_layout) if rope_layout is not None else None
         workers = self._select(endpoints)
-        if rope_layout is not None:
+        if rope_layout is not None and not rope_layout_defaulted:
             self._check_rope_layout(workers, rope_layout)
         tensors = [to_wire(name, named_tensors[name]) for name in sorted(named_tensors)]
         expected_checksums = set() if partial else _expected_weights_checksums(tensors, named_tensors)
@@ -1153,7 +1172,11 @@ class VrollClient:
             self._abort_update([w for w in workers if w not in silent and not (
                 isinstance(failures.get(w.endpoint), WorkerError)
                 and failures[w.endpoint].code == "shutting_down")], update_id)
-            return WeightUpdateError(version, update_id, phase, failures)
+            note = ""
+            if rope_layout_defaulted and any(isinstance(e, WorkerError) and e.field == "rope_layout"
+                                             for e in failures.values()):
+                note = _ROPE_LAYOUT_HINT
+            return WeightUpdateError(version, update_id, phase, failures, note=note)
 
         # Phase 0: every worker opens the update (checks the version, names, shapes, dtypes);
         # those that answer busy are asked again for up to busy_wait_s. Meanwhile the workers
@@ -1401,7 +1424,7 @@ class VrollClient:
     def ensure_weights(self, named_tensors: Mapping[str, Any], version: int, mode: str = "drain",
                        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                        endpoints: Optional[Sequence[str]] = None,
-                       rope_layout: Optional[str] = None) -> List[UpdateAck]:
+                       rope_layout: Optional[str] = _DEFAULT_ROPE_LAYOUT) -> List[UpdateAck]:
         """Brings every worker to ``version``: asks each for its health and pushes the full
         weights (one two-phase update among the stale ones) to those that report an older
         version, e.g. a worker restarted from its initial weights (version 0).
@@ -1410,7 +1433,8 @@ class VrollClient:
         generation, to resume after a worker restart. A no-op (returns []) when all are current
         (version 0, the initial weights, included: a restarted worker already has them); a
         worker on a newer version is an error, for version 0 too (see Raises).
-        rope_layout: as push_weights (checked on the workers that are pushed to).
+        rope_layout: as push_weights (default Hugging Face order; checked on the workers that are
+        pushed to).
         Returns: the applied UpdateAcks of the workers that were updated.
         Raises: VrollTimeoutError/WorkerError from health (a worker still down);
         WeightUpdateError with phase ``version`` when a worker runs a *newer* version than

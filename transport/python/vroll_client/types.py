@@ -282,7 +282,7 @@ class WeightUpdateError(VrollError):
 
     def __init__(self, version: int, update_id: str, phase: str,
                  failures: Mapping[str, Exception], applied: Sequence[UpdateAck] = (),
-                 pending: Optional[Mapping[str, str]] = None):
+                 pending: Optional[Mapping[str, str]] = None, note: str = ""):
         self.version = version
         self.update_id = update_id
         self.phase = phase
@@ -301,4 +301,4 @@ class WeightUpdateError(VrollError):
             outcome = "aborted on every worker, versions unchanged"
         named = f"weight update {update_id} " if update_id else "weight update "
         super().__init__(f"{named}(version {version}) failed at {phase} on "
-                         f"{', '.join(self.failures)}: {causes} [{outcome}]")
+                         f"{', '.join(self.failures)}: {causes} [{outcome}]" + (f". {note}" if note else ""))
