@@ -8,6 +8,7 @@
 //       --curve-trainer-keys trainers.txt --curve-client-keys clients.txt   (one command line)
 
 #include <malloc.h>  // malloc_trim (glibc)
+#include <unistd.h>  // write, _exit (the start-up signal handler)
 
 #include <csignal>
 #include <limits>
@@ -37,9 +38,28 @@ void OnSignal(int) {
   if (g_server != nullptr) g_server->Stop();  // async-signal-safe: an atomic store and a write()
 }
 
+/// SIGINT/SIGTERM before the worker serves: nothing is accepted yet, so nothing is lost by exiting
+/// at once (the model load may take long). Installed first thing: a worker started in the
+/// background of a script inherits SIGINT ignored, and a Ctrl-C / kill -INT during start-up was
+/// lost, the worker then serving anyway (helper-67). async-signal-safe: write() and _exit().
+void OnSignalDuringStartup(int sig) {
+  static const char kMessage[] = "vroll-worker: stopped by a signal during start-up\n";
+  [[maybe_unused]] const ssize_t n = write(STDERR_FILENO, kMessage, sizeof kMessage - 1);
+  _exit(128 + sig);
+}
+
+void HandleStopSignals(void (*handler)(int)) {
+  struct sigaction action = {};
+  action.sa_handler = handler;
+  sigemptyset(&action.sa_mask);
+  sigaction(SIGINT, &action, nullptr);
+  sigaction(SIGTERM, &action, nullptr);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
+  HandleStopSignals(OnSignalDuringStartup);
   vroll::EnsureFastBlas(argc, argv);
   std::string model_path, tokenizer_path, secret_key_path, trainer_keys_path, client_keys_path;
   vroll::rollout::EngineConfig engine_config;
@@ -162,11 +182,7 @@ int main(int argc, char** argv) {
     std::fflush(stdout);
 
     g_server = &server;
-    struct sigaction action = {};
-    action.sa_handler = OnSignal;
-    sigemptyset(&action.sa_mask);
-    sigaction(SIGINT, &action, nullptr);
-    sigaction(SIGTERM, &action, nullptr);
+    HandleStopSignals(OnSignal);  // from here on a signal drains: every accepted request is answered
     server.Run();
     std::signal(SIGINT, SIG_DFL);
     std::signal(SIGTERM, SIG_DFL);

@@ -123,4 +123,22 @@ grep -q " blocks x 8 tokens = " "$dir/both.err" || fail "--block-size 8 did not 
 kill "$worker_pid"
 wait "$worker_pid" || fail "the worker did not exit cleanly on SIGTERM"
 worker_pid=""
+# SIGINT during start-up stops the worker at once (helper-67: started in the background of a
+# script, as here, it inherits SIGINT ignored; one sent before it served was lost, and it then
+# served anyway).
+# Sent once main() runs (its BLAS line is logged), while a 1 GiB KV cache is being set up (a signal
+# that arrives while the dynamic loader maps LibTorch, before main(), stays ignored).
+"$WORKER" --endpoint "ipc://$dir/int.sock" --kv-cache-mb 1024 >"$dir/int.out" 2>"$dir/int.err" &
+int_pid=$!
+for _ in $(seq 2000); do grep -q "BLAS: " "$dir/int.err" 2>/dev/null && break; sleep 0.01; done
+kill -INT "$int_pid"
+for _ in $(seq 200); do kill -0 "$int_pid" 2>/dev/null || break; sleep 0.1; done
+if kill -0 "$int_pid" 2>/dev/null; then
+  kill -KILL "$int_pid"
+  fail "SIGINT during start-up: the worker still runs 20 s later"
+fi
+rc=0
+wait "$int_pid" || rc=$?
+[ "$rc" -eq 130 ] || fail "SIGINT during start-up: exit code $rc, want 130"
+grep -q "stopped by a signal during start-up" "$dir/int.err" || fail "SIGINT during start-up: no word of it"
 echo "PASS"
