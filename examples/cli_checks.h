@@ -101,8 +101,9 @@ inline CLI::Option* AddKvCacheDtypeOption(CLI::App& app, std::string& dtype) {
   return app
       .add_option("--kv-cache-dtype", dtype,
                   "KV cache element type: float32, float16 or bfloat16 (16 bits: twice the tokens per MiB; attention "
-                  "faster than float32 on CPUs with AVX-512F, up to ~10% slower on others; keys and values rounded "
-                  "to 16 bits, so logprobs differ from an fp32 recompute by that rounding, as with vLLM's "
+                  "faster than float32 on CPUs with AVX-512F for head sizes 16, 32, 48, 64, 80, 96 and 128, up to "
+                  "~10% slower for others and on other CPUs (a conversion copy); keys and values rounded to 16 "
+                  "bits, so logprobs differ from an fp32 recompute by that rounding, as with vLLM's "
                   "kv_cache_dtype; docs/KV_CACHE.md)")
       ->capture_default_str()
       ->check(CLI::IsMember({"float32", "fp32", "f32", "float16", "fp16", "f16", "half", "bfloat16", "bf16"}));
