@@ -787,8 +787,14 @@ class CurveTest(unittest.TestCase):
                 stranger = curve_keypair()
                 with VrollClient(endpoint, curve_server_key=worker_pub,
                                  curve_client_keys=stranger, timeout_s=1, linger_ms=0) as client:
-                    with self.assertRaises(VrollTimeoutError):
+                    with self.assertRaises(VrollTimeoutError) as cm:
                         client.health()
+                    # Only a timeout shows: the message says what it may mean (helper-67).
+                    self.assertIn("does not allow this client's CURVE key", str(cm.exception))
+                with VrollClient(endpoint, timeout_s=1, linger_ms=0) as client:  # no keys at all
+                    with self.assertRaises(VrollTimeoutError) as cm:
+                        client.health()
+                    self.assertIn("a worker running CURVE looks like to a client without keys", str(cm.exception))
             finally:
                 worker.stop()
 

@@ -128,6 +128,10 @@ class _Worker:
         self.socket: zmq.Socket = self._connect()
         # Whether it left the last min_policy_version health check unanswered.
         self.silent_at_version_check = False
+        # Whether anything ever arrived from this endpoint (any socket): a timeout before that is
+        # as likely a connection that never came up (a CURVE mismatch, no worker there) as a
+        # hung worker, which the error then says.
+        self.ever_heard = False
         # generate() bookkeeping, reset at the start of every call (reset_generate()).
         self.last_heard = 0.0
         self.reset_generate()
@@ -464,6 +468,16 @@ class VrollClient:
             raise VrollTimeoutError(worker.endpoint, f"sending {request or header['type']}",
                                     self.timeout_s) from None
 
+    def _silence_hint(self, worker: _Worker) -> str:
+        """What a timeout from a worker never heard from may also mean (VrollTimeoutError)."""
+        if worker.ever_heard:
+            return ""
+        if worker._server_key is not None:
+            return ("nothing ever came from this endpoint: also what a worker that does not allow this client's "
+                    "CURVE key, or a wrong curve_server_key, looks like: CURVE refuses the handshake silently")
+        return ("nothing ever came from this endpoint: also what a worker running CURVE looks like to a client "
+                "without keys (curve_server_key, curve_client_keys), or no worker there")
+
     def _reset(self, worker: _Worker, linger_ms: int = 0) -> None:
         self._poller.unregister(worker.socket)
         worker.reset(linger_ms)
@@ -492,6 +506,7 @@ class VrollClient:
                 except ValueError as exc:
                     raise VrollError(f"{w.endpoint}: malformed reply: {exc}") from None
                 received.append((w, header, frames[1:]))
+                w.ever_heard = True
         return received
 
     @staticmethod
@@ -543,7 +558,7 @@ class VrollClient:
             for id_, w in list(pending.items()):
                 if deadline_of[w.endpoint] <= now:
                     results[w.endpoint] = VrollTimeoutError(
-                        w.endpoint, request, worker_timeouts.get(w.endpoint, timeout_s))
+                        w.endpoint, request, worker_timeouts.get(w.endpoint, timeout_s), self._silence_hint(w))
                     self._reset(w)
                     del pending[id_]
             if not pending:
@@ -1047,7 +1062,7 @@ class VrollClient:
                     w.endpoint, f"generate ({len(stuck)} requests in flight; a dead, hung or "
                     "paused worker (health() says paused), or its replies dropped at a full "
                     "queue (the worker's log warns of that: --max-queued-replies)"
-                    f"{version_note})", self.timeout_s)
+                    f"{version_note})", self.timeout_s, self._silence_hint(w))
 
     def _abort_requests(self, requests: Any) -> None:
         """Best effort: tells each request's worker to end it; replies are dropped later."""

@@ -252,11 +252,11 @@ class VrollTimeoutError(VrollError, TimeoutError):
     """A worker owed a reply and sent nothing for ``timeout_s`` seconds (dead, hung, unreachable
     or overloaded), or a send could not be queued for as long. Attributes: worker, request."""
 
-    def __init__(self, worker: str, request: str, timeout_s: float):
+    def __init__(self, worker: str, request: str, timeout_s: float, hint: str = ""):
         self.worker = worker
         self.request = request
         self.timeout_s = timeout_s
-        super().__init__(f"{worker}: no reply to {request} for {timeout_s:g} s")
+        super().__init__(f"{worker}: no reply to {request} for {timeout_s:g} s" + (f" ({hint})" if hint else ""))
 
 
 class WeightUpdateError(VrollError):
