@@ -30,7 +30,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(REPO, "transport", "python"))
 
 from local_worker import start_worker, stop_worker  # noqa: E402
-from vroll_client import SamplingParams, VrollClient  # noqa: E402
+from vroll_client import SamplingParams, VrollClient, client_keys_from_secret, read_curve_key_file  # noqa: E402
 from vroll_llama import DEFAULT_CONFIG, Llama, Tokenizer, load_llama2c  # noqa: E402
 
 # vroll_llama rotates interleaved pairs (llama2.c): push_weights checks the workers do too.
@@ -142,6 +142,12 @@ def main():
     ap.add_argument("--model", help="llama2.c checkpoint; default: the embedded default shape, random init")
     ap.add_argument("--tokenizer", help="llama2.c tokenizer.bin (with --model)")
     ap.add_argument("--endpoints", nargs="*", help="connect to running workers instead of starting them")
+    ap.add_argument("--curve-server-key", nargs="+", metavar="PUB",
+                    help="with --endpoints: the workers' CURVE public key files (vroll-keygen's NAME.pub), one "
+                         "for every endpoint or one per endpoint in --endpoints order (docs/SCALE_OUT.md)")
+    ap.add_argument("--curve-secret-key", metavar="KEY",
+                    help="with --curve-server-key: this trainer's secret key file (NAME.key); its public key must "
+                         "be on the workers' --curve-trainer-keys")
     ap.add_argument("--workers", type=int, default=1, help="workers to start (without --endpoints)")
     ap.add_argument("--worker-bin", default=os.path.join(REPO, "build", "examples", "vroll-worker"))
     ap.add_argument("--minutes", type=float, default=3.0, help="training time budget")
@@ -158,6 +164,13 @@ def main():
     args = ap.parse_args()
     if bool(args.model) != bool(args.tokenizer):
         ap.error("--model and --tokenizer go together (neither: the embedded default model)")
+    if bool(args.curve_server_key) != bool(args.curve_secret_key):
+        ap.error("--curve-server-key and --curve-secret-key go together")
+    if args.curve_server_key and not args.endpoints:
+        ap.error("--curve-server-key needs --endpoints (the workers this script starts run without CURVE)")
+    if args.curve_server_key and len(args.curve_server_key) not in (1, len(args.endpoints)):
+        ap.error(f"--curve-server-key: {len(args.curve_server_key)} files for {len(args.endpoints)} endpoints "
+                 "(one for all, or one per endpoint)")
     if args.lr is None:
         args.lr = 3e-4 if args.model else 3e-3
     os.makedirs(args.out, exist_ok=True)
@@ -176,7 +189,12 @@ def main():
     endpoints = args.endpoints
     if not endpoints:
         procs, endpoints = start_workers(args)
-    client = VrollClient(endpoints, timeout_s=120)
+    curve = {}
+    if args.curve_server_key:
+        keys = [read_curve_key_file(path) for path in args.curve_server_key]
+        curve = dict(curve_server_key=keys[0] if len(keys) == 1 else dict(zip(endpoints, keys)),
+                     curve_client_keys=client_keys_from_secret(read_curve_key_file(args.curve_secret_key)))
+    client = VrollClient(endpoints, timeout_s=120, **curve)
     log_path = os.path.join(args.out, "steps.jsonl")
     records = []
     try:
