@@ -118,6 +118,39 @@ class EncodingMatchesDocTest(unittest.TestCase):
                     SamplingParams(**kwargs).to_wire()
                 self.assertEqual(str(cm.exception), message)
 
+    def test_vllm_logprobs_and_stop_options_are_accepted_only_where_they_mean_what_vroll_does(self):
+        import numpy as np
+
+        # vLLM's logprobs=0 (the sampled tokens' logprobs) and an empty stop list: what vroll does
+        # anyway; nothing extra goes on the wire.
+        for kwargs in ({"logprobs": None}, {"logprobs": 0}, {"logprobs": np.int64(0)}, {"stop": None},
+                       {"stop": []}):
+            with self.subTest(repr(kwargs)):
+                self.assertEqual(SamplingParams(**kwargs).to_wire(), SamplingParams().to_wire())
+        cases = [
+            ({"logprobs": 1}, ValueError, "SamplingParams.logprobs = 1: vroll does not compute the 1 most likely"),
+            ({"logprobs": 5}, ValueError, "SamplingParams.logprobs = 5: vroll does not compute the 5 most likely"),
+            ({"logprobs": True}, TypeError, "SamplingParams.logprobs = True must be None or an int"),
+            ({"logprobs": "0"}, TypeError, "SamplingParams.logprobs = '0' must be None or an int"),
+            ({"stop": ["\n"]}, ValueError, "SamplingParams.stop = ['\\n']: vroll works on token ids"),
+            ({"stop": "The end"}, ValueError, "SamplingParams.stop = 'The end': vroll works on token ids"),
+        ]
+        for kwargs, error, message in cases:
+            with self.subTest(repr(kwargs)):
+                with self.assertRaises(error) as cm:
+                    SamplingParams(**kwargs)  # at construction, before any request is made
+                self.assertTrue(str(cm.exception).startswith(message), str(cm.exception))
+        self.assertIn("CompletionOutput.logprobs", str(self._error(logprobs=2)))
+        self.assertIn("stop_token_ids", str(self._error(stop=["x"])))
+
+    @staticmethod
+    def _error(**kwargs):
+        try:
+            SamplingParams(**kwargs)
+        except (TypeError, ValueError) as e:
+            return e
+        return None
+
     def test_include_stop_token_takes_bools_and_0_or_1(self):
         import numpy as np
 

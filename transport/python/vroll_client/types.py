@@ -28,6 +28,12 @@ class SamplingParams:
         the worker draw one.
       n: samples per prompt (a GRPO group), as in vLLM; or ``generate(..., n=k)`` (a value
         other than 1 here that differs from that k is a ValueError).
+      logprobs: vLLM's option, accepted as None or 0 only, for code ported from vLLM: every
+        sample always carries its sampled tokens' logprobs (``CompletionOutput.logprobs``), which
+        is what vLLM's 0 returns; the N most likely tokens' logprobs per position (vLLM's N >= 1)
+        are not computed, so N >= 1 is a ValueError at construction.
+      stop: vLLM's stop strings, accepted as None or empty only: vroll works on token ids and
+        never detokenizes, so strings are a ValueError at construction; use ``stop_token_ids``.
     The worker validates the values and answers a bad one with error ``bad_field`` naming
     ``sampling.<field>`` by its wire name (docs/PROTOCOL.md): ``max_tokens`` travels as
     ``max_new_tokens``; the client only checks types (to_wire) and converts them.
@@ -46,6 +52,24 @@ class SamplingParams:
     include_stop_token: bool = True
     seed: Optional[int] = None
     n: int = 1
+    logprobs: Optional[int] = None
+    stop: Optional[Any] = None
+
+    def __post_init__(self) -> None:
+        # vLLM options a ported trainer may pass, which have no equivalent here: refused at once,
+        # saying what to do instead (rather than silently ignored).
+        if self.logprobs is not None and (isinstance(self.logprobs, bool)
+                                          or not isinstance(self.logprobs, numbers.Integral)):
+            raise TypeError(f"SamplingParams.logprobs = {self.logprobs!r} must be None or an int")
+        if self.logprobs is not None and self.logprobs != 0:
+            raise ValueError(
+                f"SamplingParams.logprobs = {self.logprobs}: vroll does not compute the {self.logprobs} most likely "
+                "tokens' logprobs per position; every sample carries the logprob of each token it sampled "
+                "(CompletionOutput.logprobs), as vLLM's logprobs=0 does: pass None or 0")
+        if self.stop is not None and (isinstance(self.stop, str) or len(self.stop) > 0):
+            raise ValueError(
+                f"SamplingParams.stop = {self.stop!r}: vroll works on token ids and does not detokenize, so it "
+                "cannot match stop strings; pass the ids that end a sample as stop_token_ids")
 
     def to_wire(self) -> Dict[str, Any]:
         """The protocol's ``sampling`` map (``n`` travels beside it, in the ``generate`` header).
