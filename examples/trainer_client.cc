@@ -135,9 +135,17 @@ void Push(vroll::transport::Client& client, const vroll::policy::WeightMap& weig
   }
 }
 
-/// Requests `n` samples of every prompt under `version` (min_policy_version), prints them and
-/// returns how many are not tagged with exactly that version (policy_version and every span).
-int Rollout(vroll::transport::Client& client, const std::vector<Prompt>& prompts, int n,
+/// What Rollout saw that should fail the run.
+struct RolloutProblems {
+  int num_mismatched = 0;  ///< samples not tagged with exactly the requested version
+  int num_errors = 0;      ///< samples that ended with finish_reason "error"
+  std::string first_error;
+};
+
+/// Requests `n` samples of every prompt under `version` (min_policy_version), prints them (an
+/// errored sample with the worker's message) and counts the samples not tagged with exactly that
+/// version (policy_version and every span) and those that ended in an error.
+RolloutProblems Rollout(vroll::transport::Client& client, const std::vector<Prompt>& prompts, int n,
             const vroll::rollout::SamplingParams& sampling, PolicyVersion version, uint64_t seed,
             const std::optional<vroll::policy::Tokenizer>& tokenizer) {
   std::vector<Request> requests;
@@ -151,7 +159,7 @@ int Rollout(vroll::transport::Client& client, const std::vector<Prompt>& prompts
     r.seed = seed + i;
     requests.push_back(std::move(r));
   }
-  int num_mismatched = 0;
+  RolloutProblems problems;
   for (const SampleResult& s : client.Generate(requests)) {
     const size_t i = std::stoul(s.request_id.substr(s.request_id.rfind("prompt") + 6));
     const double mean_logprob = s.logprobs.empty()
@@ -159,18 +167,22 @@ int Rollout(vroll::transport::Client& client, const std::vector<Prompt>& prompts
                                     : std::accumulate(s.logprobs.begin(), s.logprobs.end(), 0.0) / s.logprobs.size();
     bool tagged = s.policy_version == version;
     for (const vroll::rollout::VersionSpan& span : s.version_spans) tagged = tagged && span.version == version;
-    num_mismatched += tagged ? 0 : 1;
+    problems.num_mismatched += tagged ? 0 : 1;
     std::printf("[%s #%d] policy_version %llu%s, %s, %zu tokens, mean logprob %.3f\n  tokens [%s]\n",
                 s.request_id.c_str(), s.sample_index, static_cast<unsigned long long>(s.policy_version),
                 tagged ? "" : fmt::format(" (MISMATCH: requested under {})", version).c_str(),
                 vroll::rollout::FinishReasonName(s.finish_reason), s.output_ids.size(), mean_logprob,
                 fmt::format("{}", fmt::join(s.output_ids, ", ")).c_str());
+    if (s.finish_reason == vroll::rollout::FinishReason::kError) {
+      std::printf("  error: %s\n", s.error.c_str());
+      if (problems.num_errors++ == 0) problems.first_error = fmt::format("{} #{}: {}", s.request_id, s.sample_index, s.error);
+    }
     if (tokenizer) {
       std::printf("  text: %s|%s\n", prompts[i].text.c_str(),
                   Continuation(*tokenizer, prompts[i].ids.back(), s.output_ids).c_str());
     }
   }
-  return num_mismatched;
+  return problems;
 }
 
 }  // namespace
@@ -299,12 +311,14 @@ int main(int argc, char** argv) {
 
     // Version 1 (the next version: 1 on a fresh worker), rollouts, then version 2.
     const PolicyVersion first = health.policy_version + 1;
-    int num_mismatched = 0;
     Push(client, ckpt.weights, first, ckpt.config.rope_layout);
-    num_mismatched += Rollout(client, prompts, n, sampling, first, seed, tokenizer);
+    RolloutProblems problems[2];
+    problems[0] = Rollout(client, prompts, n, sampling, first, seed, tokenizer);
     Perturb(ckpt.weights, perturb_std, seed + 1);
     Push(client, ckpt.weights, first + 1, ckpt.config.rope_layout);
-    num_mismatched += Rollout(client, prompts, n, sampling, first + 1, seed, tokenizer);
+    problems[1] = Rollout(client, prompts, n, sampling, first + 1, seed, tokenizer);
+    const int num_mismatched = problems[0].num_mismatched + problems[1].num_mismatched;
+    const int num_errors = problems[0].num_errors + problems[1].num_errors;
 
     const int num_samples = 2 * static_cast<int>(prompts.size()) * n;
     if (shutdown_worker) client.Shutdown();
@@ -313,6 +327,14 @@ int main(int argc, char** argv) {
           log, "vroll-trainer-example",
           fmt::format("{} of {} samples are not tagged with the version they were requested under", num_mismatched,
                       num_samples));
+    }
+    if (num_errors > 0) {
+      // The tags may be right, but samples that errored are no rollouts (e.g. weights perturbed
+      // into non-finite logits by a huge --perturb-std): not "ok".
+      return vroll::examples::ReportFatal(
+          log, "vroll-trainer-example",
+          fmt::format("{} of {} samples ended with an error; the first: {}", num_errors, num_samples,
+                      problems[0].num_errors > 0 ? problems[0].first_error : problems[1].first_error));
     }
     std::printf("ok: %d samples, each tagged with the version it was requested under (%llu, then %llu)\n", num_samples,
                 static_cast<unsigned long long>(first), static_cast<unsigned long long>(first + 1));

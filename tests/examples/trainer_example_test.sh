@@ -119,6 +119,25 @@ run_case() {
 }
 
 run_case default
+
+# Weights perturbed into non-finite logits (helper-69): the second version's samples all end in
+# an error. Their tags are right, but the example must not say "ok": it exits non-zero naming
+# the first errored sample and the worker's message, and prints each sample's error.
+"$WORKER" --endpoint "ipc://$dir/errors.sock" --kv-cache-mb 16 --threads 1 >"$dir/errors-worker.out" \
+  2>"$dir/errors-worker.err" &
+worker_pid=$!
+if "$EXAMPLE" --endpoint "ipc://$dir/errors.sock" --n 1 --max-new-tokens 4 --perturb-std 1e30 --shutdown-worker \
+  >"$dir/errors-example.out" 2>"$dir/errors-example.err"; then
+  fail "samples that ended in an error were reported as a success"
+fi
+wait "$worker_pid" || fail "errors: vroll-worker exited with $? after --shutdown-worker"
+worker_pid=""
+grep -q "^ok:" "$dir/errors-example.out" && fail "errors: an 'ok' line although samples ended in an error"
+grep -q "2 of 4 samples ended with an error; the first: v2-prompt0 #0: .*finite" "$dir/errors-example.err" ||
+  fail "errors: the failure does not count the errored samples and give the first one's message"
+[ "$(grep -c "^  error: .*finite" "$dir/errors-example.out")" -eq 2 ] || fail "errors: the samples' errors are not printed"
+echo "errors: 2 of 4 samples ended in an error (non-finite logits); reported, exit non-zero"
+
 if [ -n "$SHARED" ] && [ -f "$SHARED/models/stories260K.bin" ] && [ -f "$SHARED/models/tok512.bin" ]; then
   run_case stories260K --model "$SHARED/models/stories260K.bin" --tokenizer "$SHARED/models/tok512.bin"
 else
