@@ -24,6 +24,20 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
+/// Refuses a tcp:// endpoint whose port is a number outside [1, 65535] (libzmq connects to
+/// port 99999 without complaint, and every call then times out).
+void CheckTcpPort(const std::string& endpoint) {
+  if (endpoint.rfind("tcp://", 0) != 0) return;
+  const size_t colon = endpoint.rfind(':');
+  if (colon == std::string::npos || colon < 6) return;  // no port: libzmq refuses it
+  const std::string port = endpoint.substr(colon + 1);
+  if (port.empty() || port.size() > 9 || port.find_first_not_of("0123456789") != std::string::npos) return;
+  const long value = std::stol(port);
+  if (value < 1 || value > 65535) {
+    throw TransportError(fmt::format("cannot connect to {}: port {} is outside [1, 65535]", endpoint, value));
+  }
+}
+
 std::string Describe(const ErrorMsg& e) {
   return fmt::format("worker error {}{}{}: {}", ErrorCodeName(e.code), e.field.empty() ? "" : " in ",
                      e.field, e.message);
@@ -91,8 +105,8 @@ struct Client::Impl {
       throw TransportError(fmt::format("send to {} failed: {}", endpoint, e.what()));
     }
     if (!sent) {
-      throw TransportError(fmt::format("send to {} timed out after {} ms (queue full: is the worker up?)", endpoint,
-                                       options.timeout_ms));
+      throw TransportError(fmt::format("send to {} timed out after {} ms (queue full: is the worker up?){}", endpoint,
+                                       options.timeout_ms, SilenceHint(endpoint)));
     }
   }
 
@@ -102,7 +116,23 @@ struct Client::Impl {
   std::optional<zmq::socket_t> socket;
   ClientOptions options;
   uint64_t num_ids = 0;
+  /// The endpoint a reply last came from: a timeout on an endpoint never heard from says what
+  /// else the silence may mean (SilenceHint).
+  std::string heard_from;
+
+  std::string SilenceHint(const std::string& endpoint) const {
+    if (heard_from == endpoint) return "";
+    if (!options.curve_server_key.empty()) {
+      return "; nothing ever came from this endpoint: also what a worker that does not allow this client's CURVE "
+             "public key, or a curve_server_key that is not the worker's, looks like (CURVE refuses the handshake "
+             "silently)";
+    }
+    return "; nothing ever came from this endpoint: also what a worker running CURVE looks like to a client "
+           "without keys (ClientOptions::curve_server_key), or no worker there";
+  }
 };
+
+std::string Client::SilenceHint() const { return impl_->SilenceHint(endpoint_); }
 
 Client::Client() : impl_(std::make_unique<Impl>()) {}
 
@@ -117,10 +147,26 @@ void Client::Connect(const std::string& endpoint, const ClientOptions& options) 
   // and a dropped sample would only surface as a timeout.
   socket.set(zmq::sockopt::rcvhwm, 0);
   socket.set(zmq::sockopt::sndtimeo, static_cast<int>(std::min<int64_t>(options.timeout_ms, std::numeric_limits<int32_t>::max())));
+  CheckTcpPort(endpoint);
+  if (options.curve_server_key.empty() && (!options.curve_public_key.empty() || !options.curve_secret_key.empty())) {
+    // Without the server key CURVE is off: the keys would be ignored, and a CURVE worker would
+    // then never answer.
+    throw TransportError(
+        "curve_public_key/curve_secret_key are set but curve_server_key is empty: CURVE would be off and the keys "
+        "unused; set curve_server_key to the worker's public key (vroll-keygen's NAME.pub), or pass no keys");
+  }
   if (!options.curve_server_key.empty()) {
     CheckZ85Key(options.curve_server_key, "curve_server_key");
     CheckZ85Key(options.curve_public_key, "curve_public_key");
     CheckZ85Key(options.curve_secret_key, "curve_secret_key");
+    // The halves of one pair, in their places: swapped or mismatched halves only ever time out.
+    if (const std::string derived = CurvePublicKey(options.curve_secret_key, "curve_secret_key");
+        derived != options.curve_public_key) {
+      throw TransportError(fmt::format(
+          "curve_public_key {} is not the public half of curve_secret_key (whose public key is {}): the halves "
+          "are swapped or from different key pairs",
+          options.curve_public_key, derived));
+    }
     const std::pair<int, const std::string*> keys[] = {{ZMQ_CURVE_SERVERKEY, &options.curve_server_key},
                                                         {ZMQ_CURVE_PUBLICKEY, &options.curve_public_key},
                                                         {ZMQ_CURVE_SECRETKEY, &options.curve_secret_key}};
@@ -197,6 +243,7 @@ std::optional<WorkerMessage> Client::Receive(int64_t timeout_ms) {
     zmq::message_t header;
     std::optional<size_t> got = socket.recv(header, zmq::recv_flags::dontwait);
     if (got) {
+      impl_->heard_from = endpoint_;
       bool more = header.more();
       while (more) {  // replies carry no payload frames; drain any to stay in step
         zmq::message_t extra;
@@ -223,8 +270,8 @@ WorkerMessage Client::WaitFor(const std::string& id) {
   while (true) {
     std::optional<WorkerMessage> reply = Receive(impl_->options.timeout_ms);
     if (!reply) {
-      throw TransportError(fmt::format("no reply to message '{}' from {} within {} ms", id, endpoint_,
-                                       impl_->options.timeout_ms));
+      throw TransportError(fmt::format("no reply to message '{}' from {} within {} ms{}", id, endpoint_,
+                                       impl_->options.timeout_ms, SilenceHint()));
     }
     if (MessageId(*reply) != id) {
       Logger("transport").debug("client: skipping a {} reply for '{}'", TypeName(*reply), MessageId(*reply));
@@ -315,8 +362,8 @@ void Client::Generate(const std::vector<rollout::Request>& requests,
     std::optional<WorkerMessage> reply = Receive(std::max<int64_t>(left, 0));
     if (!reply) {
       throw TransportError(fmt::format("generate: no reply from {} within {} ms ({} requests unanswered, {} samples "
-                                       "outstanding)", endpoint_, impl_->options.timeout_ms, num_unsettled,
-                                       num_outstanding));
+                                       "outstanding){}", endpoint_, impl_->options.timeout_ms, num_unsettled,
+                                       num_outstanding, SilenceHint()));
     }
     auto it = pending.find(MessageId(*reply));
     if (it == pending.end()) {
@@ -379,7 +426,8 @@ UpdateAckMsg WaitForUpdateAck(Client& client, const std::string& prefix, const s
   while (true) {
     std::optional<WorkerMessage> reply = client.Receive(timeout_ms);
     if (!reply) {
-      throw TransportError(fmt::format("no reply to '{}' from {} within {} ms", id, client.endpoint(), timeout_ms));
+      throw TransportError(
+          fmt::format("no reply to '{}' from {} within {} ms{}", id, client.endpoint(), timeout_ms, client.SilenceHint()));
     }
     const std::string& reply_id = MessageId(*reply);
     if (auto* error = std::get_if<ErrorMsg>(&*reply); error && (reply_id.rfind(prefix, 0) == 0 || EndsUpdate(*error))) {

@@ -39,7 +39,8 @@ struct ClientOptions {
   /// not count); the worker's liveness
   /// probe counts only while every unfinished request waits on a min_policy_version above the
   /// worker's version (such requests make no progress by design), so a paused or stuck engine
-  /// still times out.
+  /// still times out. Must be > 0 (Connect throws TransportError). A PushWeights that fails with
+  /// chunks still unsent takes up to min(timeout_ms, 1 s) more to release them and reconnect.
   int64_t timeout_ms = 60000;
   /// How long messages still queued at Close/destruction may take to go out, ms.
   int linger_ms = 1000;
@@ -115,8 +116,13 @@ class Client {
   Client& operator=(const Client&) = delete;
 
   /// Connects to `endpoint` (tcp://HOST:PORT or ipc://PATH). ZeroMQ connects in the background
-  /// and reconnects by itself; messages sent before the connection is up are queued. Throws
-  /// TransportError for a bad endpoint or bad keys, or when already connected.
+  /// and reconnects by itself; messages sent before the connection is up are queued, so a
+  /// worker that is not there (or refuses the CURVE handshake) shows only as a timeout of the
+  /// first call (its message then says so, SilenceHint). Throws TransportError, before
+  /// connecting, for: timeout_ms <= 0; a malformed endpoint, or a tcp port outside [1, 65535];
+  /// a key that is not 40 characters of Z85; curve_public_key that is not the public half of
+  /// curve_secret_key (swapped halves, or halves of two pairs); client keys without
+  /// curve_server_key (CURVE would be off); or when already connected.
   void Connect(const std::string& endpoint, const ClientOptions& options = {});
   /// Closes the socket (queued messages get linger_ms to go out). Connect may follow.
   void Close();
@@ -156,7 +162,10 @@ class Client {
   /// update is being aborted: a two-phase caller cannot still apply it, and an AbortUpdate of
   /// its own may be answered unknown_update. Checksums
   /// (XXH3-64 of each tensor's bytes) are computed here. `timings`, when given, is filled in on
-  /// success.
+  /// success. A tensor with null `data` and num_bytes > 0, or chunk_bytes 0, throws
+  /// TransportError before anything is sent. The ack's weights_checksum is that of the weights
+  /// the worker now holds, in fp32 (policy::WeightsChecksum): for float16/bfloat16 tensors, of
+  /// their values converted to fp32 (exactly), not of the bytes sent.
   UpdateAckMsg PushWeights(const std::vector<TensorBytes>& tensors, PolicyVersion version,
                            const PushOptions& options = {}, PushTimings* timings = nullptr);
   /// The same for fp32 weights by canonical name; the ack's weights_checksum then equals
@@ -201,6 +210,12 @@ class Client {
   std::string NextId(const char* prefix = "m");
 
   const std::string& endpoint() const { return endpoint_; }
+
+  /// Appended to the timeout errors (of replies and of sends): empty once a reply came from
+  /// endpoint(); before, what else
+  /// the silence may mean (with CURVE keys: a worker that does not allow this client's key, or a
+  /// curve_server_key that is not the worker's; without: a worker running CURVE, or none there).
+  std::string SilenceHint() const;
 
  private:
   /// Returns once ZeroMQ holds none of PushWeights' uncopied chunk frames; when the worker has

@@ -1806,6 +1806,123 @@ TEST(WorkerServerTest, CurveLetsOnlyAllowedKeysInAndOnlyTrainersUpdate) {
   EXPECT_EQ(client->Generate({MakeRequest("after", {1, 2}, 2)})[0].policy_version, 1u);
 }
 
+TEST(WorkerServerTest, ClientConnectRefusesKeysThatCanNeverWorkAndPortsOutOfRange) {
+  // helper-69: each of these connected, then every call timed out.
+  const CurveKeyPair server = GenerateCurveKeyPair();
+  const CurveKeyPair a = GenerateCurveKeyPair();
+  const CurveKeyPair b = GenerateCurveKeyPair();
+  auto connect_error = [](const std::string& endpoint, const ClientOptions& options) {
+    Client client;
+    try {
+      client.Connect(endpoint, options);
+    } catch (const TransportError& e) {
+      return std::string(e.what());
+    }
+    return std::string("(connected)");
+  };
+  auto keys = [&](const std::string& server_key, const std::string& public_key, const std::string& secret_key) {
+    ClientOptions o;
+    o.curve_server_key = server_key;
+    o.curve_public_key = public_key;
+    o.curve_secret_key = secret_key;
+    o.linger_ms = 0;
+    return o;
+  };
+  const std::string endpoint = "tcp://127.0.0.1:5555";
+  EXPECT_EQ(connect_error(endpoint, keys(server.public_key, a.public_key, a.secret_key)), "(connected)");
+  const std::string swapped = connect_error(endpoint, keys(server.public_key, a.secret_key, a.public_key));
+  EXPECT_NE(swapped.find("curve_public_key " + a.secret_key + " is not the public half of curve_secret_key"),
+            std::string::npos)
+      << swapped;
+  const std::string mixed = connect_error(endpoint, keys(server.public_key, b.public_key, a.secret_key));
+  EXPECT_NE(mixed.find("is not the public half of curve_secret_key (whose public key is " + a.public_key +
+                       "): the halves are swapped or from different key pairs"),
+            std::string::npos)
+      << mixed;
+  for (const ClientOptions& o : {keys("", a.public_key, a.secret_key), keys("", "", a.secret_key)}) {
+    const std::string off = connect_error(endpoint, o);
+    EXPECT_NE(off.find("curve_server_key is empty: CURVE would be off"), std::string::npos) << off;
+  }
+  ClientOptions plain;
+  plain.linger_ms = 0;
+  for (const char* port : {"99999", "0", "65536"}) {
+    const std::string bad = connect_error(std::string("tcp://127.0.0.1:") + port, plain);
+    EXPECT_NE(bad.find(std::string("port ") + port + " is outside [1, 65535]"), std::string::npos) << bad;
+  }
+  EXPECT_EQ(connect_error("tcp://127.0.0.1:65535", plain), "(connected)");
+  EXPECT_EQ(connect_error("tcp://[::1]:5555", plain), "(connected)");
+  EXPECT_NE(connect_error("bogus", plain), "(connected)");
+}
+
+TEST(WorkerServerTest, ATimeoutFromAWorkerNeverHeardFromSaysWhatElseItMayBe) {
+  const CurveKeyPair server = GenerateCurveKeyPair();
+  const CurveKeyPair allowed = GenerateCurveKeyPair();
+  const CurveKeyPair stranger = GenerateCurveKeyPair();
+  WorkerConfig config;
+  config.curve.secret_key = server.secret_key;
+  config.curve.trainer_keys = {allowed.public_key};
+  WorkerHarness worker(config);
+  auto options = [&](const CurveKeyPair* keys) {
+    ClientOptions o;
+    o.timeout_ms = 300;
+    o.linger_ms = 0;
+    if (keys != nullptr) {
+      o.curve_server_key = server.public_key;
+      o.curve_public_key = keys->public_key;
+      o.curve_secret_key = keys->secret_key;
+    }
+    return o;
+  };
+  auto timeout_message = [](Client& client, const std::function<void()>& call) {
+    try {
+      call();
+    } catch (const WorkerError& e) {
+      return std::string("worker error: ") + e.what();
+    } catch (const TransportError& e) {
+      return std::string(e.what());
+    }
+    (void)client;
+    return std::string("(answered)");
+  };
+  {
+    Client stranger_client;
+    stranger_client.Connect(worker.endpoint(), options(&stranger));
+    const std::string m = timeout_message(stranger_client, [&] { (void)stranger_client.Health(); });
+    EXPECT_NE(m.find("within 300 ms; nothing ever came from this endpoint: also what a worker that does not allow "
+                     "this client's CURVE public key, or a curve_server_key that is not the worker's, looks like"),
+              std::string::npos)
+        << m;
+    const std::string g = timeout_message(stranger_client, [&] {
+      (void)stranger_client.Generate({MakeRequest("never", {1, 2}, 2)});
+    });
+    // The send itself may time out (the DEALER has no connection to queue on while the failed
+    // handshake is redone), or the replies: said the same way.
+    EXPECT_TRUE(g.find("timed out after 300 ms") != std::string::npos ||
+                g.find("generate: no reply from " + worker.endpoint() + " within 300 ms") != std::string::npos)
+        << g;
+    EXPECT_NE(g.find("nothing ever came from this endpoint: also what a worker that does not allow"), std::string::npos)
+        << g;
+  }
+  {
+    Client plain;
+    plain.Connect(worker.endpoint(), options(nullptr));
+    const std::string m = timeout_message(plain, [&] { (void)plain.Health(); });
+    EXPECT_NE(m.find("nothing ever came from this endpoint: also what a worker running CURVE looks like to a client "
+                     "without keys"),
+              std::string::npos)
+        << m;
+  }
+  {
+    // Once the worker has answered, a timeout is only a timeout.
+    Client trainer;
+    trainer.Connect(worker.endpoint(), options(&allowed));
+    EXPECT_TRUE(trainer.Health().ok);
+    const std::string m = timeout_message(trainer, [&] { (void)trainer.WaitFor("an-id-nothing-answers"); });
+    EXPECT_NE(m.find("no reply to message 'an-id-nothing-answers'"), std::string::npos) << m;
+    EXPECT_EQ(m.find("nothing ever came"), std::string::npos) << m;
+  }
+}
+
 // ---- Config and keys ---------------------------------------------------------------------------------
 
 TEST(WorkerServerTest, ConfigValidateNamesTheField) {
