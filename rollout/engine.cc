@@ -455,25 +455,33 @@ void Engine::PublishStats() {
   snapshot_ = counters_;
 }
 
+void Engine::FlushNow() {
+  std::vector<std::function<void(int32_t)>> done;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!flush_requested_) return;
+    flush_requested_ = false;
+    done.swap(flush_done_);
+  }
+  const int32_t evicted = kv_->EvictCachedBlocks(std::numeric_limits<int32_t>::max());
+  while (kv_->ReclaimRetired(1 << 20) > 0) {
+  }
+  Logger("rollout").info("prefix cache flushed: {} blocks evicted", evicted);
+  PublishStats();  // first: whoever the callbacks tell may look at the stats at once
+  for (const auto& f : done) f(evicted);
+}
+
 bool Engine::SafePoint() {
-  bool flush = false, paused = false;
+  bool paused = false;
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (!update_ && update_inbox_) {
       update_ = std::move(update_inbox_);
       update_inbox_.reset();
     }
-    flush = flush_requested_;
-    flush_requested_ = false;
     paused = paused_;
   }
-  if (flush) {
-    const int32_t evicted = kv_->EvictCachedBlocks(std::numeric_limits<int32_t>::max());
-    while (kv_->ReclaimRetired(1 << 20) > 0) {
-    }
-    Logger("rollout").info("prefix cache flushed: {} blocks evicted", evicted);
-    PublishStats();
-  }
+  FlushNow();
   if (!update_) return true;
   PendingUpdate& u = *update_;
   if (u.staging->pending_version() <= version_.load()) {
@@ -690,10 +698,11 @@ void Engine::Resume() {
   cv_.notify_all();
 }
 
-void Engine::FlushCache() {
+void Engine::FlushCache(std::function<void(int32_t num_evicted)> done) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     flush_requested_ = true;
+    if (done) flush_done_.push_back(std::move(done));
   }
   cv_.notify_all();
 }
@@ -727,6 +736,7 @@ void Engine::Loop() {
       });
     }
   }
+  FlushNow();  // one asked for as the engine stopped: done and acknowledged all the same
 }
 
 EngineStats Engine::stats() const {

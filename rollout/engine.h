@@ -251,8 +251,13 @@ class Engine {
   /// Pause: no steps run (pending updates still apply at the safe point). Resume: steps again.
   void Pause();
   void Resume();
-  /// Drops every unreferenced block of the prefix cache at the next safe point.
-  void FlushCache();
+  /// Drops every unreferenced block of the prefix cache (and frees the retired ones) at the next
+  /// safe point, then calls `done`, if given, with the number of blocks evicted: on the thread
+  /// that runs the step (the engine thread once Start()ed), after stats() shows the flush, and
+  /// before the step's forward pass. Safe points run while paused too. A flush still pending
+  /// when the engine thread stops is done then. Thread-safe; `done` must not call back into the
+  /// engine's blocking calls.
+  void FlushCache(std::function<void(int32_t num_evicted)> done = {});
 
   EngineStats stats() const;
   PolicyVersion policy_version() const { return version_.load(); }
@@ -284,8 +289,11 @@ class Engine {
 
   void Loop();
   void DrainInbox();
-  /// The safe point: applies a pending update when its mode allows. Returns whether admissions
-  /// may go on this step (false while draining).
+  /// The flush FlushCache asked for, if one is pending: evicts, publishes stats, then calls
+  /// its callbacks. Engine thread (or the caller's, when steps run on it).
+  void FlushNow();
+  /// The safe point: does a pending flush, and applies a pending update when its mode allows.
+  /// Returns whether admissions may go on this step (false while draining).
   bool SafePoint();
   /// Swaps the weights, bumps the version and invalidates the prefix cache; acknowledges.
   void ApplyUpdate(PendingUpdate& update, UpdateResult ack);
@@ -354,6 +362,7 @@ class Engine {
   bool threaded_ = false;  // between Start() and the end of Stop(): the engine thread owns the engine
   bool paused_ = false;
   bool flush_requested_ = false;
+  std::vector<std::function<void(int32_t)>> flush_done_;  // FlushCache callbacks of the pending flush
   std::optional<PendingUpdate> update_inbox_;
   bool update_pending_ = false;  // submitted and not yet acknowledged
   EngineStats snapshot_;  // published after each step

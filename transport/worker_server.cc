@@ -70,7 +70,13 @@ struct UpdateEvent {
   rollout::UpdateResult result;
 };
 
-using Event = std::variant<SampleEvent, UpdateEvent>;
+/// A flush_cache was done by the engine: its flush_cache_ack is due.
+struct FlushEvent {
+  std::string peer;
+  std::string id;
+};
+
+using Event = std::variant<SampleEvent, UpdateEvent, FlushEvent>;
 
 /// The engine thread's way to the socket thread: a mutex-guarded queue plus an eventfd that the
 /// socket thread polls next to the ROUTER socket. Shared (shared_ptr) by the server and every
@@ -848,7 +854,13 @@ struct WorkerServer::Impl {
         engine.Resume();
         log.info("resumed by peer {}", Hex(peer));
         break;
-      case ControlKind::kFlushCache: engine.FlushCache(); break;
+      case ControlKind::kFlushCache: {
+        // Acknowledged once done (at the engine's next safe point), so that a stats right after
+        // the ack shows the blocks gone (helper-68 saw them still cached in 19 of 20 tries).
+        std::shared_ptr<Outbox> box = outbox;
+        engine.FlushCache([box, peer, id = m.id](int32_t) { box->Push(FlushEvent{peer, id}); });
+        return;
+      }
       case ControlKind::kStats: Send(peer, StatsMsg{m.id, engine.stats()}); return;
       case ControlKind::kHealth:
         Send(peer, MakeHealth(m.id));
@@ -1279,6 +1291,8 @@ struct WorkerServer::Impl {
     for (Event& event : outbox->Take()) {
       if (auto* s = std::get_if<SampleEvent>(&event)) {
         DeliverSample(*s);
+      } else if (auto* f = std::get_if<FlushEvent>(&event)) {
+        Send(f->peer, ControlAckMsg{f->id, ControlKind::kFlushCache});
       } else {
         DeliverUpdate(std::get<UpdateEvent>(event));
       }

@@ -7,6 +7,8 @@
 #include <cstdio>
 #include <future>
 #include <map>
+#include <condition_variable>
+#include <memory>
 #include <mutex>
 #include <random>
 #include <set>
@@ -473,6 +475,55 @@ TEST(EngineTest, ChunkedPrefillOfALongPromptEqualsOneShotPrefill) {
   EXPECT_EQ(x.output_ids, y.output_ids);
   for (size_t i = 0; i < x.logprobs.size(); ++i) EXPECT_NEAR(x.logprobs[i], y.logprobs[i], 1e-4);
   EXPECT_GE(b.stats().num_steps, 300 / 37 + 30);
+}
+
+TEST(EngineTest, AFlushCallsBackOnceStatsShowTheBlocksGonePausedOrNotAndAtStop) {
+  // The worker acknowledges flush_cache from this callback (helper-68: an ack sent before the
+  // flush let a stats right after it show the blocks still cached). The stats read inside the
+  // callback are the oracle.
+  struct Seen {
+    std::mutex mu;
+    std::condition_variable cv;
+    std::vector<std::pair<int32_t, EngineStats>> calls;
+  };
+  auto seen = std::make_shared<Seen>();
+  Engine e(Default(), SmallConfig());
+  auto flush = [&] {
+    e.FlushCache([seen, &e](int32_t evicted) {
+      const EngineStats s = e.stats();
+      std::lock_guard<std::mutex> lock(seen->mu);
+      seen->calls.emplace_back(evicted, s);
+      seen->cv.notify_all();
+    });
+  };
+  auto wait_calls = [&](size_t n) {
+    std::unique_lock<std::mutex> lock(seen->mu);
+    return seen->cv.wait_for(lock, std::chrono::seconds(30), [&] { return seen->calls.size() >= n; });
+  };
+  e.Start();
+  for (int i = 0; i < 4; ++i) {
+    const bool paused = i % 2 == 1;
+    (void)e.Generate({MakeRequest("fill" + std::to_string(i), {1, static_cast<TokenId>(3 + i), 5}, 60)});
+    ASSERT_GT(e.stats().num_cached_blocks, 0);
+    if (paused) e.Pause();
+    flush();
+    ASSERT_TRUE(wait_calls(static_cast<size_t>(i) + 1)) << "try " << i << ": no callback";
+    std::lock_guard<std::mutex> lock(seen->mu);
+    const auto& [evicted, stats] = seen->calls.back();
+    EXPECT_GT(evicted, 0) << "try " << i;
+    EXPECT_EQ(stats.num_cached_blocks, 0) << "try " << i << (paused ? " (paused)" : "");
+    EXPECT_EQ(stats.num_used_blocks, 0) << "try " << i << (paused ? " (paused)" : "");
+    if (paused) e.Resume();
+  }
+  // Asked for as the engine stops: still done and called back.
+  (void)e.Generate({MakeRequest("last", {1, 9, 9}, 30)});
+  flush();
+  flush();  // two pending callbacks of one flush: both called
+  e.Stop();
+  std::lock_guard<std::mutex> lock(seen->mu);
+  ASSERT_EQ(seen->calls.size(), 6u);
+  EXPECT_EQ(seen->calls[4].second.num_cached_blocks, 0);
+  EXPECT_EQ(seen->calls[5].second.num_cached_blocks, 0);
 }
 
 TEST(EngineTest, ThreadedSubmittersGetExactlyOneResultPerSample) {

@@ -1684,6 +1684,26 @@ TEST(WorkerServerTest, RequestIdsBelongToTheClientThatSentThem) {
   EXPECT_EQ(a_sample.result.output_ids.size(), 5u);
 }
 
+TEST(WorkerServerTest, FlushCacheIsAcknowledgedOnceTheBlocksAreGone) {
+  // helper-68: the ack came before the flush (done at the engine's next safe point), and a stats
+  // right after it still showed the blocks cached in 19 of 20 tries. Now the ack waits for it,
+  // paused or not; the stats that follow are the oracle.
+  WorkerHarness worker;
+  auto client = Connect(worker.endpoint());
+  for (int i = 0; i < 10; ++i) {
+    const bool paused = i % 2 == 1;
+    (void)client->Generate({MakeRequest(fmt::format("fill{}", i), {1, static_cast<policy::TokenId>(3 + i), 5}, 60)});
+    const rollout::EngineStats before = client->Stats();
+    ASSERT_GT(before.num_cached_blocks, 0) << "try " << i << ": nothing cached to flush";
+    if (paused) client->Pause();
+    client->FlushCache();
+    const rollout::EngineStats after = client->Stats();
+    EXPECT_EQ(after.num_cached_blocks, 0) << "try " << i << (paused ? " (paused)" : "");
+    EXPECT_EQ(after.num_used_blocks, 0) << "try " << i << (paused ? " (paused)" : "");
+    if (paused) client->Resume();
+  }
+}
+
 TEST(WorkerServerTest, HealthAndStatsDescribeTheEngine) {
   WorkerHarness worker;
   auto client = Connect(worker.endpoint());
