@@ -378,6 +378,7 @@ struct WorkerServer::Impl {
         throw TransportError(fmt::format("cannot set the CURVE secret key: {}", zmq_strerror(zmq_errno())));
       }
     }
+    StartHandshakeMonitor();
     BindRouter(router, config.endpoint);
     bound_endpoint = router.get(zmq::sockopt::last_endpoint);
     const policy::ModelConfig& m = engine.model_config();
@@ -391,6 +392,76 @@ struct WorkerServer::Impl {
     if (!loopback && !config.curve.enabled()) {
       log.warn("{} is reachable from other machines and CURVE is off: anyone who can connect may push weights",
                bound_endpoint);
+    }
+  }
+
+  /// Handshake failures never reach the ZAP handler (a client without CURVE keys, or with a
+  /// wrong curve_server_key) and the client only sees silence: the worker's log says what it saw
+  /// (ReadHandshakeEvents). libzmq socket monitor, events HANDSHAKE_FAILED_*.
+  void StartHandshakeMonitor() {
+    constexpr const char* kMonitorEndpoint = "inproc://vroll-handshake-monitor";
+    if (zmq_socket_monitor(router.handle(), kMonitorEndpoint,
+                           ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL | ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL) != 0) {
+      log.warn("no handshake monitor ({}): failed handshakes will not be logged", zmq_strerror(zmq_errno()));
+      return;
+    }
+    monitor = zmq::socket_t(context, zmq::socket_type::pair);
+    monitor.set(zmq::sockopt::linger, 0);
+    monitor.connect(kMonitorEndpoint);
+  }
+
+  /// Logs the failed handshakes the monitor reported: what each most likely means, at most one
+  /// line per kind every kHandshakeLogIntervalMs (a refused client reconnects every 100 ms or so),
+  /// with the number seen since the kind's last line (the ones in between are counted, not
+  /// logged).
+  void ReadHandshakeEvents() {
+    if (!monitor) return;
+    while (true) {
+      zmq::message_t event, address;
+      if (!monitor.recv(event, zmq::recv_flags::dontwait)) return;
+      if (event.more()) (void)monitor.recv(address, zmq::recv_flags::none);
+      if (event.size() < 6) continue;
+      uint16_t id = 0;
+      uint32_t value = 0;
+      std::memcpy(&id, event.data(), sizeof(id));
+      std::memcpy(&value, static_cast<const char*>(event.data()) + 2, sizeof(value));
+      std::string what;
+      spdlog::level::level_enum level = spdlog::level::warn;
+      if (id == ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL && value == ZMQ_PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH) {
+        what = config.curve.enabled()
+                   ? "a client without CURVE keys (or with another security mechanism) was refused: clients of "
+                     "this worker need its public key as their curve_server_key and a key pair on an allow-list"
+                   : "a client using CURVE was refused: this worker runs without CURVE (no --curve-secret-key), "
+                     "so its clients must not set a curve_server_key";
+      } else if (id == ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL && value == ZMQ_PROTOCOL_ERROR_ZMTP_CRYPTOGRAPHIC) {
+        what = "a CURVE client was refused: its handshake does not decrypt with this worker's key, most likely "
+               "because its curve_server_key is not this worker's public key";
+      } else if (id == ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL) {
+        what = fmt::format("a connection was refused: ZMTP handshake protocol error {:#x} (not a vroll client?)",
+                           value);
+      } else {
+        // Without detail: a peer that went away mid-handshake (EPIPE, ECONNRESET). Seen from
+        // clients with the wrong security set-up as often as the mismatch itself: which of the two
+        // the worker sees depends on which side reads the other's greeting first.
+        what = fmt::format(
+            "a connection closed during its handshake ({}): {}", zmq_strerror(static_cast<int>(value)),
+            config.curve.enabled()
+                ? "a client without CURVE keys, or with a curve_server_key that is not this worker's public key, "
+                  "may end its handshakes so"
+                : "a client using CURVE (this worker runs without it) may end its handshakes so");
+        // Without CURVE, mostly TCP probes (a load balancer's health check): not a warning.
+        if (!config.curve.enabled()) level = spdlog::level::info;
+      }
+      HandshakeLog& h = handshake_logs[what];
+      ++h.count;
+      const Clock::time_point now = Clock::now();
+      if (now >= h.next) {
+        log.log(level, "{} (on {}{})", what, address.size() > 0 ? address.to_string() : bound_endpoint,
+                h.logged ? fmt::format("; {} refused so since the last such line", h.count) : std::string());
+        h.logged = true;
+        h.count = 0;
+        h.next = now + std::chrono::milliseconds(kHandshakeLogIntervalMs);
+      }
     }
   }
 
@@ -470,12 +541,15 @@ struct WorkerServer::Impl {
   // ---- The loop (socket thread) -----------------------------------------------------------------
 
   void Run() {
-    zmq_pollitem_t items[] = {{router.handle(), 0, ZMQ_POLLIN, 0}, {nullptr, outbox->fd(), ZMQ_POLLIN, 0}};
+    zmq_pollitem_t items[] = {{router.handle(), 0, ZMQ_POLLIN, 0},
+                              {nullptr, outbox->fd(), ZMQ_POLLIN, 0},
+                              {monitor ? monitor.handle() : nullptr, -1, ZMQ_POLLIN, 0}};
     while (true) {
-      if (zmq_poll(items, 2, PollTimeoutMs()) < 0 && zmq_errno() != EINTR) {
+      if (zmq_poll(items, monitor ? 3 : 2, PollTimeoutMs()) < 0 && zmq_errno() != EINTR) {
         log.error("zmq_poll failed: {}; the worker stops serving", zmq_strerror(zmq_errno()));
         break;
       }
+      ReadHandshakeEvents();
       if (stop_requested.load() && !shutting_down) BeginShutdown("stop requested");
       DeliverOutbox();
       for (int i = 0; i < kMaxMessagesPerTurn; ++i) {
@@ -1384,6 +1458,14 @@ struct WorkerServer::Impl {
 
   // Socket thread only (the constructor's thread until Run).
   zmq::socket_t router;
+  zmq::socket_t monitor;  // the router's handshake failures (StartHandshakeMonitor); may be unset
+  struct HandshakeLog {
+    bool logged = false;       // a line was written
+    uint64_t count = 0;        // seen since the last line
+    Clock::time_point next{};  // no line before then (after the first)
+  };
+  std::map<std::string, HandshakeLog> handshake_logs;  // by message
+  static constexpr int kHandshakeLogIntervalMs = 10000;
   std::unordered_map<uint64_t, LiveRequest> live;  // by ticket
   std::unordered_map<std::string, int> live_per_peer;  // peer -> its entries in `live` (> 0)
   std::unordered_set<std::string> gone_peers;          // peers whose requests OnPeerGone aborted
@@ -1410,6 +1492,7 @@ WorkerServer::WorkerServer(rollout::Engine& engine, WorkerConfig config)
 }
 
 WorkerServer::~WorkerServer() {
+  impl_->monitor.close();
   impl_->router.close();
   impl_->StopZap();
   RemoveIpcSocketFile(impl_->bound_endpoint);

@@ -26,10 +26,12 @@
 #include <thread>
 
 #include <gtest/gtest.h>
+#include <spdlog/sinks/ringbuffer_sink.h>
 
 #include "cache/block_pool.h"
 #include "policy/default_model.h"
 #include "policy/errors.h"
+#include "policy/logging.h"
 #include "policy/weight_update.h"
 #include "tests/transport/transport_test_util.h"
 #include "transport/client.h"
@@ -1940,6 +1942,84 @@ TEST(WorkerServerTest, ATimeoutFromAWorkerNeverHeardFromSaysWhatElseItMayBe) {
     const std::string m = timeout_message(trainer, [&] { (void)trainer.WaitFor("an-id-nothing-answers"); });
     EXPECT_NE(m.find("no reply to message 'an-id-nothing-answers'"), std::string::npos) << m;
     EXPECT_EQ(m.find("nothing ever came"), std::string::npos) << m;
+  }
+}
+
+TEST(WorkerServerTest, FailedHandshakesAreLoggedWithWhatTheyMostLikelyMean) {
+  // A client without keys, or with a wrong curve_server_key, never reaches the ZAP handler: the
+  // worker's log said nothing, and the client saw only silence (stop 35's note). The log lines
+  // are read back from a sink on the transport logger.
+  auto sink = std::make_shared<spdlog::sinks::ringbuffer_sink_mt>(512);
+  spdlog::logger& log = Logger("transport");
+  log.sinks().push_back(sink);
+  const spdlog::level::level_enum level = log.level();
+  log.set_level(spdlog::level::info);  // whatever VROLL_LOG_LEVEL says (off would hide them)
+  struct Restore {
+    spdlog::logger& log;
+    std::shared_ptr<spdlog::sinks::sink> sink;
+    spdlog::level::level_enum level;
+    ~Restore() {
+      auto& sinks = log.sinks();
+      sinks.erase(std::remove(sinks.begin(), sinks.end(), sink), sinks.end());
+      log.set_level(level);
+    }
+  } restore{log, sink, level};
+  auto count_lines = [&](const std::string& needle) {
+    int n = 0;
+    for (const std::string& line : sink->last_formatted()) n += line.find(needle) != std::string::npos ? 1 : 0;
+    return n;
+  };
+  auto wait_logged = [&](const std::string& needle) {
+    for (int i = 0; i < 100 && count_lines(needle) == 0; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    return count_lines(needle);
+  };
+  // A client that keeps trying for ~1 s (libzmq reconnects every 100 ms).
+  auto knock = [](const std::string& endpoint, ClientOptions options) {
+    options.timeout_ms = 1000;
+    options.linger_ms = 0;
+    Client client;
+    client.Connect(endpoint, options);
+    EXPECT_THROW((void)client.Health(), TransportError);
+  };
+  const CurveKeyPair server = GenerateCurveKeyPair();
+  const CurveKeyPair trainer = GenerateCurveKeyPair();
+  const CurveKeyPair stranger_server = GenerateCurveKeyPair();
+  WorkerConfig config;
+  config.curve.secret_key = server.secret_key;
+  config.curve.trainer_keys = {trainer.public_key};
+  ClientOptions keyed;
+  keyed.curve_server_key = server.public_key;
+  keyed.curve_public_key = trainer.public_key;
+  keyed.curve_secret_key = trainer.secret_key;
+  {
+    WorkerHarness worker(config);
+    // Which side reads the other's greeting first decides whether the worker sees the mismatch
+    // or only the refused client closing: either line names the likely cause; each kind is
+    // logged once (the retries within 10 s are counted, not logged).
+    const std::string no_keys = "a client without CURVE keys (or with another security mechanism) was refused";
+    const std::string closed = "closed during its handshake";
+    const std::string closed_cause = "a client without CURVE keys, or with a curve_server_key that is not this "
+                                     "worker's public key, may end its handshakes so";
+    knock(worker.endpoint(), ClientOptions{});
+    EXPECT_GE(wait_logged(no_keys) + count_lines(closed_cause), 1);
+    EXPECT_LE(count_lines(no_keys), 1) << "one line per kind, none for the retries within 10 s";
+    EXPECT_LE(count_lines(closed), 1) << "one line per kind, none for the retries within 10 s";
+    ClientOptions wrong_server_key = keyed;
+    wrong_server_key.curve_server_key = stranger_server.public_key;
+    knock(worker.endpoint(), wrong_server_key);
+    EXPECT_EQ(wait_logged("most likely because its curve_server_key is not this worker's public key"), 1);
+    // The right keys still get in.
+    Client ok;
+    ok.Connect(worker.endpoint(), keyed);
+    EXPECT_TRUE(ok.Health().ok);
+  }
+  {
+    WorkerHarness plain_worker;
+    knock(plain_worker.endpoint(), keyed);
+    EXPECT_GE(wait_logged("a client using CURVE was refused: this worker runs without CURVE") +
+                  count_lines("a client using CURVE (this worker runs without it) may end its handshakes so"),
+              1);
+    EXPECT_LE(count_lines("a client using CURVE was refused"), 1);
   }
 }
 
