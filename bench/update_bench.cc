@@ -481,7 +481,7 @@ int main(int argc, char** argv) {
   app.add_flag("--no-swap", no_swap, "apply updates by copying into the model, not by swapping buffers");
   app.add_flag("--no-prepack", no_prepack,
                "repack the GEMM weights at the engine's safe point instead of while the update is staged");
-  app.add_flag("--quick", quick, "smoke run: the 60 MiB model, 1 rep, 2 updates");
+  app.add_flag("--quick", quick, "smoke run: the 60 MiB model, 1 rep, 2 updates (unless given)");
   CLI11_PARSE(app, argc, argv);
   const std::optional<InFlightMode> mode = vroll::rollout::ParseInFlightMode(mode_name);
   if (!mode) {
@@ -493,10 +493,10 @@ int main(int argc, char** argv) {
   opt.swap = !no_swap;
   opt.prepack = !no_prepack;
   opt.chunk_bytes = static_cast<size_t>(chunk_mb) << 20;
-  if (quick) {
-    sizes_arg = "60";
-    opt.reps = 1;
-    opt.num_updates = 2;
+  if (quick) {  // defaults only: --sizes, --reps and --updates given explicitly win
+    if (app.count("--sizes") == 0) sizes_arg = "60";
+    if (app.count("--reps") == 0) opt.reps = 1;
+    if (app.count("--updates") == 0) opt.num_updates = 2;
     opt.steady_seconds = 1.0;
   }
   vroll::ConfigureThreads(0);
