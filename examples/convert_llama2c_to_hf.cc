@@ -47,6 +47,13 @@ int main(int argc, char** argv) {
 
   auto& log = vroll::Logger("examples");
   try {
+    if (policy::IsHfCheckpointFile(input)) {
+      // Read as llama2.c it would fail on a meaningless field (helper-70: "hidden_dim = 0").
+      throw policy::LoadError(fmt::format(
+          "--input {}: this is a file of a Hugging Face checkpoint; vroll-convert-hf converts llama2.c checkpoints "
+          "(.bin) to Hugging Face. Its directory already is one: pass it to --model as it is",
+          input));
+    }
     const policy::Checkpoint llama2c = policy::LoadLlama2cCheckpoint(input);
     const policy::Checkpoint hf = policy::PermuteForHalfSplitRope(llama2c);
     policy::HfSaveOptions options;

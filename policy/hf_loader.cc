@@ -314,6 +314,14 @@ ModelConfig ParseConfig(const json& root, const std::string& path) {
                                      Show(*head_dim), config.dim / config.n_heads));
     }
   }
+  if (const int64_t rope_bytes = int64_t{4} * config.max_seq_len * (config.dim / config.n_heads);
+      rope_bytes > ModelConfig::kMaxRopeTableBytes) {
+    r.Fail("max_position_embeddings",
+           fmt::format("= {} is too long: vroll builds RoPE tables for every position (4 x positions x head_dim "
+                       "bytes = {:.1f} GiB at head_dim {}), at most 2 GiB: at most {} positions",
+                       config.max_seq_len, rope_bytes / double(int64_t{1} << 30), config.dim / config.n_heads,
+                       ModelConfig::kMaxRopeTableBytes / (int64_t{4} * (config.dim / config.n_heads))));
+  }
   try {
     config.Validate(path + ": config");  // what is left: a parameter count that overflows int64
   } catch (const ConfigError& e) {
@@ -841,10 +849,9 @@ Checkpoint LoadHfCheckpoint(const std::string& dir) {
   return checkpoint;
 }
 
-Checkpoint LoadCheckpoint(const std::string& path) {
+bool IsHfCheckpointFile(const std::string& path) {
   std::error_code error;
-  if (fs::is_directory(path, error)) return LoadHfCheckpoint(path);
-  if (!fs::exists(path, error)) throw LoadError(fmt::format("{}: no such file or directory", path));
+  if (!fs::is_regular_file(path, error)) return false;
   const std::string name = fs::path(path).filename().string();
   const auto ends_with = [&](const std::string& suffix) {
     return name.size() >= suffix.size() && name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0;
@@ -862,7 +869,14 @@ Checkpoint LoadCheckpoint(const std::string& path) {
       safetensors = !error && head[kHeaderLengthBytes] == '{' && header_bytes <= file_bytes - kHeaderLengthBytes;
     }
   }
-  if (safetensors || ends_with(".safetensors.index.json") || name == kConfigFile) {
+  return safetensors || ends_with(".safetensors.index.json") || name == kConfigFile;
+}
+
+Checkpoint LoadCheckpoint(const std::string& path) {
+  std::error_code error;
+  if (fs::is_directory(path, error)) return LoadHfCheckpoint(path);
+  if (!fs::exists(path, error)) throw LoadError(fmt::format("{}: no such file or directory", path));
+  if (IsHfCheckpointFile(path)) {
     const std::string dir = fs::path(path).parent_path().empty() ? "." : fs::path(path).parent_path().string();
     throw LoadError(fmt::format("{}: this is a file of a Hugging Face checkpoint; pass its directory {} ({}, and {} "
                                 "or {} with its shards)",

@@ -67,10 +67,16 @@ Checkpoint LoadHfCheckpoint(const std::string& dir);
 /// Loads the model at `path`, as vroll-worker, vroll-offline and vroll-generate take --model: a
 /// directory is a Hugging Face checkpoint (LoadHfCheckpoint), a file a llama2.c checkpoint
 /// (LoadLlama2cCheckpoint, policy/llama2c_loader.h). A file of the Hugging Face directory itself
-/// (a safetensors file, recognized by its header whatever its name; model.safetensors.index.json;
-/// config.json) is refused with a LoadError naming the directory to pass instead; so is a path that
-/// does not exist. Throws what those loaders throw otherwise.
+/// (IsHfCheckpointFile) is refused with a LoadError naming the directory to pass instead; so is a
+/// path that does not exist. Throws what those loaders throw otherwise.
 Checkpoint LoadCheckpoint(const std::string& path);
+
+/// True when `path` is a file of a Hugging Face checkpoint directory rather than a llama2.c
+/// checkpoint: named *.safetensors, *.safetensors.index.json or config.json, or, whatever its
+/// name, starting as a safetensors file does (a u64 header length that fits the file, then '{';
+/// a llama2.c header's dim and hidden_dim read as that u64 exceed any file). False for
+/// directories and paths that do not exist.
+bool IsHfCheckpointFile(const std::string& path);
 
 /// How SaveHfCheckpoint writes tensors.
 struct HfSaveOptions {

@@ -74,6 +74,12 @@ void ModelConfig::Validate(const std::string& source) const {
     throw ConfigError(fmt::format("{} fields dim/hidden_dim/n_layers/vocab_size: parameter count overflows int64 ({})",
                                   source, ToString()));
   }
+  if (const int64_t rope_bytes = int64_t{4} * max_seq_len * head_dim(); rope_bytes > kMaxRopeTableBytes) {
+    throw ConfigError(fmt::format("{} field max_seq_len = {} is too long: its RoPE tables (cos and sin, 4 x max_seq_len "
+                                  "x head_dim = {:.1f} GiB at head_dim {}) would exceed 2 GiB; at most {} positions",
+                                  source, max_seq_len, rope_bytes / double(int64_t{1} << 30), head_dim(),
+                                  kMaxRopeTableBytes / (int64_t{4} * head_dim())));
+  }
 }
 
 int64_t ModelConfig::NumParameters() const {

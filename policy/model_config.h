@@ -27,19 +27,24 @@ struct ModelConfig {
   int n_heads = 0;      ///< query heads
   int n_kv_heads = 0;   ///< key/value heads; n_heads % n_kv_heads == 0 (grouped-query attention)
   int vocab_size = 0;   ///< rows of the embedding and of the output head
-  int max_seq_len = 0;  ///< context length in tokens (positions [0, max_seq_len))
+  int max_seq_len = 0;  ///< context length in tokens (positions [0, max_seq_len)); at most kMaxRopeTableBytes / (4 * head_dim)
   float norm_eps = 1e-5f;       ///< RMSNorm epsilon: x * rsqrt(mean(x^2) + eps) * w
   float rope_theta = 10000.0f;  ///< RoPE base
   RopeLayout rope_layout = RopeLayout::kInterleaved;
   bool tie_word_embeddings = true;  ///< output head shares the embedding matrix
   bool attention_bias = false;      ///< q/k/v projections carry biases (Qwen2)
 
+  /// The model's RoPE tables (cos and sin, [max_seq_len, head_dim / 2] floats each) are built
+  /// for every position when it is made: max_seq_len is capped so that they take at most this
+  /// (2 GiB: 4M positions at head_dim 128; Llama 3.1's 131072 take 64 MiB).
+  static constexpr int64_t kMaxRopeTableBytes = int64_t{1} << 31;
+
   int head_dim() const { return dim / n_heads; }
   int kv_dim() const { return head_dim() * n_kv_heads; }
 
   /// Throws ConfigError naming the first invalid field (dims <= 0, n_heads not dividing dim,
   /// n_kv_heads not dividing n_heads, odd head_dim, eps/theta not positive, a parameter count
-  /// that overflows int64). The message reads "<source> field <name> = <value> <what is wrong>",
+  /// that overflows int64, a max_seq_len whose RoPE tables exceed kMaxRopeTableBytes). The message reads "<source> field <name> = <value> <what is wrong>",
   /// e.g. Validate("/m/x.bin: header") -> "/m/x.bin: header field n_heads = 0 must be > 0".
   void Validate(const std::string& source = "config") const;
 

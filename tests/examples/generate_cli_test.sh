@@ -73,6 +73,12 @@ if [ -n "$CONVERT" ]; then
     echo "a safetensors file was accepted as --model"; rm -rf "$hf"; exit 1
   fi
   grep -qF "pass its directory $hf/f32" "$hf/err" || { echo "no word on the directory:"; cat "$hf/err"; rm -rf "$hf"; exit 1; }
+  # The converter given such a file says what it is (helper-70: read as llama2.c, "hidden_dim = 0").
+  if "$CONVERT" --input "$hf/f32/model.safetensors" --output "$hf/again" >"$out" 2>"$hf/err"; then
+    echo "vroll-convert-hf accepted a safetensors file as --input"; rm -rf "$hf"; exit 1
+  fi
+  grep -qF "this is a file of a Hugging Face checkpoint; vroll-convert-hf converts llama2.c" "$hf/err" ||
+    { echo "vroll-convert-hf does not say its --input is a Hugging Face file:"; cat "$hf/err"; rm -rf "$hf"; exit 1; }
   for dtype in float16 fp16 f16 half; do
     "$CONVERT" --input "$SHARED/models/stories260K.bin" --output "$hf/$dtype" --dtype "$dtype" 2>/dev/null ||
       { echo "vroll-convert-hf --dtype $dtype failed"; rm -rf "$hf"; exit 1; }

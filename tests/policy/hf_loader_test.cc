@@ -749,6 +749,8 @@ TEST_F(HfLoaderTest, RejectsBadConfigFields) {
       {"vocab_size", "-97", {"vocab_size"}},
       {"intermediate_size", "4294967296", {"intermediate_size"}},
       {"rms_norm_eps", "-1e-6", {"rms_norm_eps", "positive"}},
+      // helper-70: the RoPE tables of 2^31 - 1 positions failed in the allocator, naming nothing.
+      {"max_position_embeddings", "2147483647", {"max_position_embeddings = 2147483647 is too long", "at most"}},
       {"rope_theta", "\"big\"", {"rope_theta", "positive"}},
       {"tie_word_embeddings", "\"yes\"", {"tie_word_embeddings", "true or false"}},
       {"architectures", "[\"GPT2LMHeadModel\"]", {"architectures[0]", "GPT2LMHeadModel", "not supported"}},

@@ -89,6 +89,13 @@ TEST(ModelConfigTest, ValidateNamesTheBadField) {
   c.n_heads = c.n_kv_heads = 64;
   ExpectInvalid(c, "n_heads = 64 gives an odd head_dim = 1");
   c = Stories260K();
+  c.max_seq_len = INT_MAX;  // RoPE tables of 64 GiB (helper-70: an allocator error naming nothing)
+  ExpectInvalid(c, "max_seq_len = 2147483647 is too long: its RoPE tables");
+  c.max_seq_len = static_cast<int>(ModelConfig::kMaxRopeTableBytes / (4 * c.head_dim()));  // the most: fine
+  EXPECT_NO_THROW(c.Validate());
+  ++c.max_seq_len;
+  ExpectInvalid(c, "max_seq_len = " + std::to_string(c.max_seq_len) + " is too long");
+  c = Stories260K();
   c.norm_eps = 0.0f;
   ExpectInvalid(c, "norm_eps = 0");
   c = Stories260K();
