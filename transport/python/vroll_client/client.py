@@ -47,6 +47,10 @@ _ABORT_TIMEOUT_S = 10.0
 HF_ROPE_LAYOUT = "half_split"
 
 
+#: RoPE inverse-frequency buffers in older transformers state_dict()s: not parameters.
+_ROTARY_BUFFER_SUFFIX = ".rotary_emb.inv_freq"
+
+
 class _DefaultRopeLayout(str):
     """The rope_layout default: HF_ROPE_LAYOUT, told apart from the same value given explicitly."""
 
@@ -1100,7 +1104,10 @@ class VrollClient:
         Args:
           named_tensors: {canonical name: torch.Tensor | numpy.ndarray}: float32, float16 or
             bfloat16 (sent as raw 2-byte words), any device (copied to CPU) and shape. Must not
-            be modified until the call returns (bytes are sent from its memory).
+            be modified until the call returns (bytes are sent from its memory). Entries named
+            ``*.rotary_emb.inv_freq`` (RoPE buffers, in the state_dict() of older transformers
+            versions) are left out, as the worker's Hugging Face loader and vLLM skip them:
+            the worker computes them from rope_theta.
           version: the new policy version, an int in [1, 2**64 - 1) greater than every worker's
             current one.
           mode: what running sequences do at the swap: ``drain`` (finish under the old
@@ -1154,6 +1161,13 @@ class VrollClient:
             raise ValueError(f"mode = {mode!r}; one of {protocol.UPDATE_MODES}")
         if not named_tensors:
             raise ValueError("named_tensors is empty")
+        rotary = [name for name in named_tensors if isinstance(name, str) and name.endswith(_ROTARY_BUFFER_SUFFIX)]
+        if rotary:
+            # Not parameters: the worker would refuse them as unknown names (helper-70).
+            logger.debug("push_weights: leaving out %d RoPE buffer(s) (%s, ...)", len(rotary), rotary[0])
+            named_tensors = {name: value for name, value in named_tensors.items() if name not in set(rotary)}
+            if not named_tensors:
+                raise ValueError("named_tensors holds only RoPE buffers (*.rotary_emb.inv_freq), no parameter")
         chunk_bytes = _check_int("chunk_bytes", chunk_bytes, 1)
         if apply_timeout_s is not None:  # checked here: at the apply, everything has been sent
             apply_timeout_s = _check_timeout("apply_timeout_s", apply_timeout_s)
