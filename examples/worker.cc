@@ -74,7 +74,7 @@ int main(int argc, char** argv) {
   vroll::examples::AddModelOption(app, model_path);
   app.add_option("--tokenizer", tokenizer_path, "llama2.c tokenizer.bin (checked against the model's vocabulary)")
       ->check(CLI::ExistingFile);
-  app.add_option("--endpoint", worker_config.endpoint, "tcp://HOST:PORT (tcp://127.0.0.1:* picks a port) or ipc://PATH")
+  app.add_option("--endpoint", worker_config.endpoint, "tcp://HOST:PORT (tcp://127.0.0.1:* picks a port; the endpoint bound is printed on stdout, one line, once serving) or ipc://PATH")
       ->capture_default_str();
   app.add_option("--kv-cache-mb", kv_cache_mb,
                  "KV cache budget, MiB (sequences are capped at what it holds for one sequence, with a warning, when "

@@ -314,6 +314,9 @@ class GenerateTest(FakeWorkerTestCase):
                 gated.hang_after_accept = True
                 client.generate([[1]])
             self.assertNotIn("min_policy_version", str(cm.exception))
+            # helper-72: a busy worker whose samples outlast timeout_s read as a dead one.
+            self.assertIn("no sample of them finished in that time", str(cm.exception))
+            self.assertIn("raise timeout_s above the slowest sample's time", str(cm.exception))
         finally:
             client.close(linger_ms=0)
             gated.gate_min_policy_version = gated.hang_after_accept = False
@@ -483,8 +486,12 @@ class GenerateIterTest(FakeWorkerTestCase):
             first = next(it)
             self.assertIn(first.prompt_index, (1, 3))
             # Another call while the iteration is open would read (and drop) its replies.
-            with self.assertRaisesRegex(RuntimeError, "generate_iter"):
+            with self.assertRaisesRegex(RuntimeError, "generate_iter") as cm:
                 self.client.stats()
+            # helper-72 kept the iterator in a variable, broke out of a loop over it, and was
+            # told to "break out of it": the message now says what ends a kept iterator.
+            self.assertIn("an iterator kept in a variable stays open after a `break`", str(cm.exception))
+            self.assertIn("close()", str(cm.exception))
             with self.assertRaisesRegex(RuntimeError, "generate_iter"):
                 self.client.pause()
             with self.assertRaisesRegex(RuntimeError, "generate_iter"):
@@ -810,6 +817,12 @@ class ControlTest(FakeWorkerTestCase):
             rc = cli_main(["--endpoint", self.workers[0].endpoint, "health"])
         self.assertEqual(rc, 0)
         self.assertEqual(json.loads(stdout.getvalue())[self.workers[0].endpoint]["ok"], True)
+        # The endpoint after the command, as a user types it (helper-72: refused as a usage error).
+        stdout = io.StringIO()
+        with contextlib.redirect_stdout(stdout):
+            rc = cli_main(["health", self.workers[0].endpoint])
+        self.assertEqual(rc, 0)
+        self.assertEqual(list(json.loads(stdout.getvalue())), [self.workers[0].endpoint])
         stdout = io.StringIO()
         with contextlib.redirect_stdout(stdout):
             rc = cli_main(["--endpoint", self.workers[0].endpoint, "generate", "--prompt", "1,2",

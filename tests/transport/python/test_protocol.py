@@ -124,7 +124,7 @@ class EncodingMatchesDocTest(unittest.TestCase):
         # vLLM's logprobs=0 (the sampled tokens' logprobs) and an empty stop list: what vroll does
         # anyway; nothing extra goes on the wire.
         for kwargs in ({"logprobs": None}, {"logprobs": 0}, {"logprobs": np.int64(0)}, {"stop": None},
-                       {"stop": []}):
+                       {"stop": []}, {"ignore_eos": True}, {"ignore_eos": None}):
             with self.subTest(repr(kwargs)):
                 self.assertEqual(SamplingParams(**kwargs).to_wire(), SamplingParams().to_wire())
         cases = [
@@ -134,6 +134,7 @@ class EncodingMatchesDocTest(unittest.TestCase):
             ({"logprobs": "0"}, TypeError, "SamplingParams.logprobs = '0' must be None or an int"),
             ({"stop": ["\n"]}, ValueError, "SamplingParams.stop = ['\\n']: vroll works on token ids"),
             ({"stop": "The end"}, ValueError, "SamplingParams.stop = 'The end': vroll works on token ids"),
+            ({"ignore_eos": False}, ValueError, "SamplingParams.ignore_eos = False: no token ends a sample here"),
         ]
         for kwargs, error, message in cases:
             with self.subTest(repr(kwargs)):
@@ -254,6 +255,7 @@ class ReplyParsingTest(unittest.TestCase):
                          (2, [5, 6], [-0.25, -1.5], "stop"))
         self.assertEqual((out.policy_version, out.version_spans), (3, [(0, 1, 2), (1, 2, 3)]))
         self.assertIsNone(out.error)
+        self.assertEqual(out.cumulative_logprob, -1.75)  # vLLM's field: the sum of the logprobs
 
     def test_error_reply_message(self):
         err = WorkerError.from_reply("tcp://h:1", {"code": "bad_field", "field": "prompt[3]",

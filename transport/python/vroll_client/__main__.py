@@ -8,7 +8,8 @@ r"""Quick checks of running workers from a shell; prints JSON.
     /usr/bin/python3 -m vroll_client --endpoint tcp://10.0.0.5:5555 \
         --curve-server-key @worker.pub --curve-secret-key @trainer.key health
 
---endpoint repeats for several workers. Exit status: 0 ok, 1 a worker error or timeout, 2 usage,
+--endpoint repeats for several workers; health, stats, flush-cache, pause, resume and shutdown
+also take them after the command (``health tcp://127.0.0.1:5555``). Exit status: 0 ok, 1 a worker error or timeout, 2 usage,
 141 stdout closed early (e.g. piped into ``head``), quietly, as a command killed by SIGPIPE.
 Commands whose reply holds nothing (pause, resume, flush-cache, shutdown) print "ok" per worker.
 """
@@ -49,8 +50,14 @@ def _key_arg(value: Optional[str], secret: bool) -> Optional[str]:
     return value
 
 
+def _prog() -> str:
+    """How this was started, for the usage text: the vroll-client command, or the module."""
+    name = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
+    return name if name and not name.endswith(("__main__.py", ".py")) and name != "-c" else "python3 -m vroll_client"
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python3 -m vroll_client", description=__doc__,
+    p = argparse.ArgumentParser(prog=_prog(), description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--endpoint", action="append", default=[],
                    help="worker endpoint (repeat for several); default tcp://127.0.0.1:5555")
@@ -63,7 +70,9 @@ def _parser() -> argparse.ArgumentParser:
                         "its public key must be on the worker's allow-list")
     sub = p.add_subparsers(dest="command", required=True)
     for name in ("health", "stats", "flush-cache", "pause", "resume", "shutdown"):
-        sub.add_parser(name, help=f"send {name.replace('-', '_')} to every worker")
+        c = sub.add_parser(name, help=f"send {name.replace('-', '_')} to every worker")
+        c.add_argument("endpoints", nargs="*", metavar="ENDPOINT",
+                       help="worker endpoints, as --endpoint (both may be given)")
     sub.add_parser("keygen", help="print a new CURVE key pair (no worker contacted)")
     g = sub.add_parser("generate", help="generate samples and print one JSON line per prompt")
     g.add_argument("--prompt", type=_token_list, action="append", required=True,
@@ -119,7 +128,8 @@ def _main(argv: Optional[List[str]]) -> int:
     try:
         server_key = _key_arg(args.curve_server_key, secret=False)
         secret = _key_arg(args.curve_secret_key, secret=True)
-        client = VrollClient(args.endpoint or ["tcp://127.0.0.1:5555"],
+        endpoints = args.endpoint + list(getattr(args, "endpoints", None) or [])
+        client = VrollClient(endpoints or ["tcp://127.0.0.1:5555"],
                              curve_server_key=server_key,
                              curve_client_keys=client_keys_from_secret(secret) if secret else None,
                              timeout_s=args.timeout_s)

@@ -47,6 +47,13 @@ _ABORT_TIMEOUT_S = 10.0
 HF_ROPE_LAYOUT = "half_split"
 
 
+#: A call made while a generate_iter() iteration is open (its replies would be read by the call).
+_ITERATING_MESSAGE = (
+    "the client is in the middle of a generate_iter() iteration: finish it, or end it first: "
+    "`break` ends it only in `for out in client.generate_iter(...)`; an iterator kept in a variable "
+    "stays open after a `break` out of a loop over it until its close() (which aborts its "
+    "unfinished requests) or until it is garbage-collected")
+
 #: RoPE inverse-frequency buffers in older transformers state_dict()s: not parameters.
 _ROTARY_BUFFER_SUFFIX = ".rotary_emb.inv_freq"
 
@@ -493,8 +500,7 @@ class VrollClient:
         while a generate_iter iteration is open, unless it is that iteration's own poll: a
         reply of its requests read here would be dropped."""
         if self._iterating and not iteration:
-            raise RuntimeError("the client is in the middle of a generate_iter() iteration: finish "
-                               "it, break out of it or close() the iterator before other calls")
+            raise RuntimeError(_ITERATING_MESSAGE)
         events = dict(self._poller.poll(max(0, int(timeout_s * 1000))))
         received = []
         for w in self._workers:
@@ -538,8 +544,7 @@ class VrollClient:
         ``worker_timeouts`` ({endpoint: seconds}) replaces timeout_s for those workers.
         """
         if self._iterating:  # before anything is sent
-            raise RuntimeError("the client is in the middle of a generate_iter() iteration: finish "
-                               "it, break out of it or close() the iterator before other calls")
+            raise RuntimeError(_ITERATING_MESSAGE)
         timeout_s = self.timeout_s if timeout_s is None else _check_timeout("timeout_s", timeout_s)
         results: Dict[str, Union[Dict[str, Any], Exception]] = {}
         pending: Dict[str, _Worker] = {}
@@ -726,10 +731,11 @@ class VrollClient:
           min_policy_version: the workers start a request only once they run this version.
             Over several workers, each is asked its health first, and only those that run it
             (and are not paused) get requests, when any does (docs/SCALE_OUT.md). The wait has
-            no limit of its own: a live worker is not silent (its liveness probes reset
-            timeout_s), so a request for a version no push brings waits until it is aborted;
-            to bound it, use generate_iter and stop iterating, or check health()'s
-            policy_version / update_version first.
+            no limit of its own: a live worker is not silent (its liveness probes, every
+            --heartbeat-ms, reset timeout_s when it is the longer), so a request for a version
+            no push brings waits until it is aborted. generate_iter does not bound it either
+            (its next() blocks until a group is done). To avoid an unbounded wait, check
+            health()'s policy_version / update_version first, and push before generating.
           endpoints: spread over these of the client's workers only (default all), e.g. to
             leave out one that is down.
         Returns:
@@ -848,8 +854,7 @@ class VrollClient:
         if not requests:
             return
         if self._iterating:
-            raise RuntimeError("the client is in the middle of a generate_iter() iteration: finish "
-                               "it, break out of it or close() the iterator before other calls")
+            raise RuntimeError(_ITERATING_MESSAGE)
         min_version = max(r.header.get("min_policy_version", 0) for r in requests)
         if min_version > 0 and len(workers) > 1:
             workers = self._workers_for_version(workers, min_version)
@@ -1063,9 +1068,12 @@ class VrollClient:
                     "such requests get no reply until it does, only liveness probes every "
                     "--heartbeat-ms" if waiting else "")
                 raise VrollTimeoutError(
-                    w.endpoint, f"generate ({len(stuck)} requests in flight; a dead, hung or "
-                    "paused worker (health() says paused), or its replies dropped at a full "
-                    "queue (the worker's log warns of that: --max-queued-replies)"
+                    w.endpoint, f"generate ({len(stuck)} requests in flight; no sample of them "
+                    "finished in that time: a worker busy with samples that take longer than "
+                    "timeout_s (long max_tokens, large n: raise timeout_s above the slowest "
+                    "sample's time), a dead, hung or paused one (health() says paused), or its "
+                    "replies dropped at a full queue (the worker's log warns of that: "
+                    "--max-queued-replies)"
                     f"{version_note})", self.timeout_s, self._silence_hint(w))
 
     def _abort_requests(self, requests: Any) -> None:

@@ -1,6 +1,7 @@
 """The client's value types: sampling parameters, outputs, update acknowledgements, errors."""
 from __future__ import annotations
 
+import math
 import numbers
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
@@ -34,6 +35,11 @@ class SamplingParams:
         are not computed, so N >= 1 is a ValueError at construction.
       stop: vLLM's stop strings, accepted as None or empty only: vroll works on token ids and
         never detokenizes, so strings are a ValueError at construction; use ``stop_token_ids``.
+      ignore_eos: vLLM's option, accepted as None or True only: no token is implied to end a
+        sample here (what vLLM's ignore_eos=True does); False, vLLM's stop at EOS, is a
+        ValueError at construction: list the EOS id in ``stop_token_ids``.
+    Other vLLM options (penalties, min_p, min_tokens, best_of, prompt_logprobs, detokenize, ...)
+    are not fields: passing one is Python's TypeError "unexpected keyword argument".
     The worker validates the values and answers a bad one with error ``bad_field`` naming
     ``sampling.<field>`` by its wire name (docs/PROTOCOL.md): ``max_tokens`` travels as
     ``max_new_tokens``; the client only checks types (to_wire) and converts them.
@@ -54,6 +60,7 @@ class SamplingParams:
     n: int = 1
     logprobs: Optional[int] = None
     stop: Optional[Any] = None
+    ignore_eos: Optional[bool] = None
 
     def __post_init__(self) -> None:
         # vLLM options a ported trainer may pass, which have no equivalent here: refused at once,
@@ -66,6 +73,10 @@ class SamplingParams:
                 f"SamplingParams.logprobs = {self.logprobs}: vroll does not compute the {self.logprobs} most likely "
                 "tokens' logprobs per position; every sample carries the logprob of each token it sampled "
                 "(CompletionOutput.logprobs), as vLLM's logprobs=0 does: pass None or 0")
+        if self.ignore_eos is not None and not self.ignore_eos:
+            raise ValueError(
+                "SamplingParams.ignore_eos = False: no token ends a sample here unless it is in stop_token_ids "
+                "(vroll does not know the model's EOS): pass stop_token_ids=[eos_token_id] to stop at it")
         if self.stop is not None and (isinstance(self.stop, str) or len(self.stop) > 0):
             raise ValueError(
                 f"SamplingParams.stop = {self.stop!r}: vroll works on token ids and does not detokenize, so it "
@@ -137,6 +148,9 @@ class CompletionOutput:
       num_preemptions: times the sequence was preempted (recomputed).
       queue_ms, first_token_ms, total_ms: milliseconds from acceptance.
       error: the worker's message when finish_reason is ``error``, else None.
+    Unlike vLLM's, ``logprobs`` is a flat list of floats (one per token, the sampled token's),
+    not a list of {token_id: Logprob} dicts, and there is no ``text`` (vroll never detokenizes);
+    ``cumulative_logprob`` is their sum, as vLLM's.
     """
 
     index: int
@@ -152,6 +166,12 @@ class CompletionOutput:
     first_token_ms: float = 0.0
     total_ms: float = 0.0
     error: Optional[str] = None
+
+    @property
+    def cumulative_logprob(self) -> float:
+        """Sum of ``logprobs`` (vLLM's field of the same name): the sample's log-probability
+        under the behavior policy at its temperature."""
+        return math.fsum(self.logprobs)
 
     @classmethod
     def from_reply(cls, reply: Mapping[str, Any]) -> "CompletionOutput":
