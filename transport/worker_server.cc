@@ -484,8 +484,26 @@ struct WorkerServer::Impl {
   }
 
   /// ZAP thread: answers each authentication request (RFC 27) with 200 and a User-Id for an
-  /// allowed key, 400 for any other.
+  /// allowed key, 400 for any other. Refusals are logged as failed handshakes are
+  /// (ReadHandshakeEvents): at most one line per kind every kHandshakeLogIntervalMs, naming the
+  /// last refused key, with the count since; anyone can make key pairs and connect in a loop
+  /// (helper-73: 430 lines a second from one process).
   void ZapLoop() {
+    struct Gate {
+      bool logged = false;
+      uint64_t count = 0;
+      Clock::time_point next{};
+    };
+    Gate unknown_key, not_curve;
+    const auto refused = [this](Gate& gate, const std::string& line) {
+      ++gate.count;
+      const Clock::time_point now = Clock::now();
+      if (now < gate.next) return;
+      log.warn("{}{}", line, gate.logged ? fmt::format(" ({} refused so since the last such line)", gate.count) : "");
+      gate.logged = true;
+      gate.count = 0;
+      gate.next = now + std::chrono::milliseconds(kHandshakeLogIntervalMs);
+    };
     zmq_pollitem_t items[] = {{zap.handle(), 0, ZMQ_POLLIN, 0}, {nullptr, zap_stop_fd, ZMQ_POLLIN, 0}};
     while (true) {
       if (zmq_poll(items, 2, -1) < 0) {
@@ -513,10 +531,12 @@ struct WorkerServer::Impl {
           } else {
             char z85[41] = {};
             zmq_z85_encode(z85, reinterpret_cast<const uint8_t*>(request[6].data()), 32);
-            log.warn("refused a CURVE client from {}: public key {} is on no allow-list", request[3], z85);
+            refused(unknown_key,
+                    fmt::format("refused a CURVE client from {}: public key {} is on no allow-list", request[3], z85));
           }
         } else {
-          log.warn("refused a connection: not a CURVE ZAP request (mechanism '{}')", request.size() > 5 ? request[5] : "");
+          refused(not_curve, fmt::format("refused a connection: not a CURVE ZAP request (mechanism '{}')",
+                                         request.size() > 5 ? request[5] : ""));
         }
         const std::string request_id = request.size() > 1 ? request[1] : "";
         const std::string reply[] = {"1.0", request_id, status, text, user_id, ""};
@@ -698,7 +718,23 @@ struct WorkerServer::Impl {
     for (const auto& [ticket, r] : live) {
       if (r.peer == peer && aborted.emplace(r.engine_request_id, true).second) engine.Abort(r.engine_request_id);
     }
-    log.warn("peer {} is gone (its connection closed); aborted its {} unfinished requests", Hex(peer), aborted.size());
+    // At most one line a second: any peer that may generate can connect, submit and vanish in a
+    // loop (helper-73: 1786 lines in 0.6 s). The others are counted into the next line.
+    ++peers_gone_unlogged;
+    requests_gone_unlogged += aborted.size();
+    const Clock::time_point now = Clock::now();
+    if (now < next_gone_warning) return;
+    if (peers_gone_unlogged == 1) {
+      log.warn("peer {} is gone (its connection closed); aborted its {} unfinished requests", Hex(peer),
+               aborted.size());
+    } else {
+      log.warn("{} peers are gone (their connections closed) since the last such line, the last {}; aborted their "
+               "{} unfinished requests",
+               peers_gone_unlogged, Hex(peer), requests_gone_unlogged);
+    }
+    peers_gone_unlogged = 0;
+    requests_gone_unlogged = 0;
+    next_gone_warning = now + std::chrono::seconds(1);
   }
 
   /// Every heartbeat_ms, sends each client with unfinished requests a liveness probe: a health
@@ -727,6 +763,7 @@ struct WorkerServer::Impl {
     // A request of a peer already found gone (a message it sent before it vanished, handled after
     // OnPeerGone ran for it) is aborted at once too: OnPeerGone runs once per peer.
     if (gone_peers.count(r.peer) != 0) engine.Abort(r.engine_request_id);
+    ++live_ids[r.engine_request_id];
     live.emplace(ticket, std::move(r));
   }
   void EraseLive(std::unordered_map<uint64_t, LiveRequest>::iterator it) {
@@ -734,6 +771,9 @@ struct WorkerServer::Impl {
     if (count != live_per_peer.end() && --count->second == 0) {
       gone_peers.erase(it->second.peer);
       live_per_peer.erase(count);
+    }
+    if (auto id = live_ids.find(it->second.engine_request_id); id != live_ids.end() && --id->second == 0) {
+      live_ids.erase(id);
     }
     live.erase(it);
   }
@@ -857,6 +897,18 @@ struct WorkerServer::Impl {
                               model.vocab_size));
         return;
       }
+    }
+    if (live_ids.count(EngineRequestId(peer, r.request_id)) != 0) {
+      // The engine frees an id as the last sample leaves it, before the worker has sent that
+      // sample (it waits in the outbox): a reuse in between would be accepted, and the old
+      // request's last sample would follow the new `accepted` under the same id (helper-73).
+      const std::string eid = EngineRequestId(peer, r.request_id);
+      SendError(peer, m.id, ErrorCode::kBadField, "request_id",
+                fmt::format("request_id '{}' is already in flight{}", r.request_id,
+                            engine.InFlight(eid) ? ""
+                                                 : " (its last samples are still to be sent; an aborted request's id "
+                                                   "is free once its last 'aborted' sample has been sent)"));
+      return;
     }
     if (config.max_pending_per_client > 0) {
       // A request the engine would refuse is answered with its bad field, not `overloaded`
@@ -1468,11 +1520,15 @@ struct WorkerServer::Impl {
   static constexpr int kHandshakeLogIntervalMs = 10000;
   std::unordered_map<uint64_t, LiveRequest> live;  // by ticket
   std::unordered_map<std::string, int> live_per_peer;  // peer -> its entries in `live` (> 0)
+  std::unordered_map<std::string, int> live_ids;       // engine request id -> its entries in `live` (> 0)
   std::unordered_set<std::string> gone_peers;          // peers whose requests OnPeerGone aborted
   uint64_t replies_dropped = 0;                        // WarnDroppedReply: since the start
   uint64_t replies_dropped_warned = 0;                 // replies_dropped in the last warning
   Clock::time_point next_drop_warning{};               // WarnDroppedReply: at most one warning a second
   Clock::time_point next_peer_probe{};                 // ProbePeers: the next round (heartbeat_ms apart)
+  Clock::time_point next_gone_warning{};               // OnPeerGone: at most one line a second
+  uint64_t peers_gone_unlogged = 0;                    // OnPeerGone: gone since its last line
+  uint64_t requests_gone_unlogged = 0;                 // ... and their aborted requests
   uint64_t next_ticket = 1;
   std::shared_ptr<policy::WeightUpdateStaging> staging;  // the engine reads it while kApplying
   std::optional<OpenUpdate> update;

@@ -74,6 +74,37 @@ WorkerMessage Next(Client& c, int64_t timeout_ms = kReplyWaitMs, bool keep_probe
   }
 }
 
+/// Collects what the transport logger writes while it lives (at `level` or above, whatever
+/// VROLL_LOG_LEVEL says), for tests of the worker's log lines; restores the logger after.
+class TransportLogCapture {
+ public:
+  explicit TransportLogCapture(spdlog::level::level_enum level)
+      : log_(Logger("transport")), sink_(std::make_shared<spdlog::sinks::ringbuffer_sink_mt>(4096)),
+        level_(log_.level()) {
+    log_.sinks().push_back(sink_);
+    log_.set_level(level);
+  }
+  ~TransportLogCapture() {
+    auto& sinks = log_.sinks();
+    sinks.erase(std::remove(sinks.begin(), sinks.end(), sink_), sinks.end());
+    log_.set_level(level_);
+  }
+  TransportLogCapture(const TransportLogCapture&) = delete;
+  TransportLogCapture& operator=(const TransportLogCapture&) = delete;
+
+  /// Lines written so far that contain `needle`.
+  int CountLines(const std::string& needle) const {
+    int n = 0;
+    for (const std::string& line : sink_->last_formatted()) n += line.find(needle) != std::string::npos ? 1 : 0;
+    return n;
+  }
+
+ private:
+  spdlog::logger& log_;
+  std::shared_ptr<spdlog::sinks::ringbuffer_sink_mt> sink_;
+  spdlog::level::level_enum level_;
+};
+
 template <class T>
 T NextAs(Client& c) {
   WorkerMessage m = Next(c);
@@ -1686,6 +1717,91 @@ TEST(WorkerServerTest, RequestIdsBelongToTheClientThatSentThem) {
   EXPECT_EQ(a_sample.result.output_ids.size(), 5u);
 }
 
+TEST(WorkerServerTest, AnIdIsFreeOnlyOnceTheLastSampleOfItsRequestIsSent) {
+  // helper-73: generate R, abort R, generate R again, pipelined on one socket. The engine frees the
+  // id as the aborted sample leaves it, before the worker has sent that sample, so the second
+  // generate could be accepted with the old request's last sample still to come under the same
+  // id (69 of 300 trials). Oracle: the reply order on the wire, for each trial.
+  WorkerHarness worker;
+  auto client = Connect(worker.endpoint());
+  int accepted_again = 0, refused = 0;
+  constexpr int kTrials = 600;  // the build before failed within 200 trials in one run of two
+  for (int trial = 0; trial < kTrials; ++trial) {
+    const std::string id = "r" + std::to_string(trial);
+    client->Send(GenerateMsg{"g1", MakeRequest(id, {1, 2, 3}, 200)});
+    // 0-2 ms in: the request is queued, or running, when the abort comes (as in helper-73's script).
+    std::this_thread::sleep_for(std::chrono::microseconds(100 * (trial % 21)));
+    client->Send(AbortMsg{"ab", id});
+    client->Send(GenerateMsg{"g2", MakeRequest(id, {1, 2, 3}, 1)});
+    bool first_done = false, second_accepted = false, second_done = false, second_refused = false;
+    while (!(first_done && (second_done || second_refused))) {
+      WorkerMessage m = Next(*client);
+      if (auto* a = std::get_if<AcceptedMsg>(&m); a != nullptr && a->id == "g2") {
+        ASSERT_TRUE(first_done) << "trial " << trial << ": the id was accepted again before the last sample of "
+                                << "its aborted request was sent";
+        second_accepted = true;
+      } else if (auto* e = std::get_if<ErrorMsg>(&m); e != nullptr && e->id == "g2") {
+        EXPECT_EQ(e->field, "request_id") << e->message;
+        second_refused = true;
+      } else if (auto* sample = std::get_if<SampleMsg>(&m)) {
+        if (sample->id == "g1") {
+          ASSERT_FALSE(first_done);
+          first_done = true;
+        } else {
+          ASSERT_EQ(sample->id, "g2");
+          ASSERT_TRUE(second_accepted);
+          second_done = true;
+        }
+      }
+    }
+    accepted_again += second_accepted ? 1 : 0;
+    refused += second_refused ? 1 : 0;
+  }
+  EXPECT_EQ(accepted_again + refused, kTrials);
+}
+
+TEST(WorkerServerTest, PeersThatComeAndGoDoNotFloodTheLog) {
+  // helper-73: any peer that may generate could connect, submit, close in a loop and get one
+  // warning line each (1786 in 0.6 s); and any key pair at all one "on no allow-list" line each.
+  TransportLogCapture captured(spdlog::level::warn);
+  auto count_lines = [&](const std::string& needle) { return captured.CountLines(needle); };
+  const CurveKeyPair server = GenerateCurveKeyPair();
+  const CurveKeyPair trainer = GenerateCurveKeyPair();
+  WorkerConfig config;
+  config.curve.secret_key = server.secret_key;
+  config.curve.trainer_keys = {trainer.public_key};
+  config.heartbeat_ms = 100;  // gone peers found by the probes
+  WorkerHarness worker(config);
+  ClientOptions keyed;
+  keyed.curve_server_key = server.public_key;
+  keyed.curve_public_key = trainer.public_key;
+  keyed.curve_secret_key = trainer.secret_key;
+  keyed.linger_ms = 0;
+  constexpr int kPeers = 30;
+  for (int i = 0; i < kPeers; ++i) {
+    auto peer = Connect(worker.endpoint(), keyed);
+    peer->Send(GenerateMsg{"g", MakeRequest("long", {1, 2, 3}, 200)});
+    (void)NextAs<AcceptedMsg>(*peer);
+  }  // each closes with its request unfinished
+  auto control = Connect(worker.endpoint(), keyed);
+  (void)StatsWhen(*control, [](const rollout::EngineStats& s) { return s.num_running == 0 && s.num_waiting == 0; });
+  const int gone_lines = count_lines("is gone (its connection closed)") + count_lines("peers are gone");
+  EXPECT_GE(gone_lines, 1);
+  EXPECT_LE(gone_lines, 3) << "one line a second at most, the others counted into the next";
+  // Fresh key pairs, each on no allow-list, each from a new connection.
+  for (int i = 0; i < 10; ++i) {
+    const CurveKeyPair stranger = GenerateCurveKeyPair();
+    ClientOptions o = keyed;
+    o.curve_public_key = stranger.public_key;
+    o.curve_secret_key = stranger.secret_key;
+    o.timeout_ms = 100;
+    Client c;
+    c.Connect(worker.endpoint(), o);
+    EXPECT_THROW((void)c.Health(), TransportError);
+  }
+  EXPECT_EQ(count_lines("is on no allow-list"), 1) << "one line per 10 s, the others counted";
+}
+
 TEST(WorkerServerTest, FlushCacheIsAcknowledgedOnceTheBlocksAreGone) {
   // helper-68: the ack came before the flush (done at the engine's next safe point), and a stats
   // right after it still showed the blocks cached in 19 of 20 tries. Now the ack waits for it,
@@ -1949,26 +2065,8 @@ TEST(WorkerServerTest, FailedHandshakesAreLoggedWithWhatTheyMostLikelyMean) {
   // A client without keys, or with a wrong curve_server_key, never reaches the ZAP handler: the
   // worker's log said nothing, and the client saw only silence (stop 35's note). The log lines
   // are read back from a sink on the transport logger.
-  auto sink = std::make_shared<spdlog::sinks::ringbuffer_sink_mt>(512);
-  spdlog::logger& log = Logger("transport");
-  log.sinks().push_back(sink);
-  const spdlog::level::level_enum level = log.level();
-  log.set_level(spdlog::level::info);  // whatever VROLL_LOG_LEVEL says (off would hide them)
-  struct Restore {
-    spdlog::logger& log;
-    std::shared_ptr<spdlog::sinks::sink> sink;
-    spdlog::level::level_enum level;
-    ~Restore() {
-      auto& sinks = log.sinks();
-      sinks.erase(std::remove(sinks.begin(), sinks.end(), sink), sinks.end());
-      log.set_level(level);
-    }
-  } restore{log, sink, level};
-  auto count_lines = [&](const std::string& needle) {
-    int n = 0;
-    for (const std::string& line : sink->last_formatted()) n += line.find(needle) != std::string::npos ? 1 : 0;
-    return n;
-  };
+  TransportLogCapture captured(spdlog::level::info);  // whatever VROLL_LOG_LEVEL says (off would hide them)
+  auto count_lines = [&](const std::string& needle) { return captured.CountLines(needle); };
   auto wait_logged = [&](const std::string& needle) {
     for (int i = 0; i < 100 && count_lines(needle) == 0; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(50));
     return count_lines(needle);
