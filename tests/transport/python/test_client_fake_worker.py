@@ -184,7 +184,9 @@ class GenerateTest(FakeWorkerTestCase):
         self.assertGreaterEqual(num_refused, len(prompts) - worker.max_pending)  # the burst
         self.assertLessEqual(num_refused, len(prompts) + 2)
         self.assertEqual(worker.types().count("generate"), len(prompts) + num_refused)
-        self.assertLess(elapsed_s, 2.0)
+        # Well under the ~8 s of the timed back-off, with room for a loaded machine (stop 36 saw
+        # this suite fail once, case unknown, with two reviewers beside ctest -j2 on 2 cores).
+        self.assertLess(elapsed_s, 4.0)
 
     def test_silent_worker_times_out_naming_it(self):
         self.workers[1].silent = True
