@@ -507,6 +507,9 @@ bool Engine::SafePoint() {
       }
       break;
     case InFlightMode::kRestart:
+      // A drain cut short by a pause: only the sequences that finished since it began drained
+      // (nothing was admitted meanwhile, so those still in flight are among the ones counted).
+      if (u.num_drained >= 0) u.num_drained -= static_cast<int>(scheduler_->InFlight().size());
       for (Sequence* seq : scheduler_->InFlight()) {
         scheduler_->Requeue(seq, Scheduler::RequeueReason::kRestart);
         ++counts.num_restarted;

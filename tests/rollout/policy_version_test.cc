@@ -11,6 +11,7 @@
 #include <future>
 #include <set>
 #include <map>
+#include <mutex>
 #include <random>
 #include <thread>
 #include <unistd.h>
@@ -563,6 +564,57 @@ TEST_F(PolicyVersionTest, PausedEngineStillAppliesUpdatesWithoutDeadlock) {
   for (int i = 0; i < 30000 && done.load() < 4; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(1));
   EXPECT_EQ(done.load(), 4);
   e.Stop();
+}
+
+TEST_F(PolicyVersionTest, ADrainCutShortByAPauseCountsEachInFlightSequenceOnceDrainedOrRestarted) {
+  // Three sequences run when a drain update arrives: one short, two long. The short one finishes
+  // under the old weights (drained); then the engine is paused, so the drain becomes a restart of
+  // the other two. The ack counted all three as drained as well (3 + 2 for 3 sequences).
+  EngineConfig c = config_;
+  c.max_num_seqs = 3;
+  Engine e(base_, c);
+  e.Start();
+  std::mutex mu;
+  std::vector<SampleResult> results;
+  auto collect = [&](SampleResult r) {
+    std::lock_guard<std::mutex> lock(mu);
+    results.push_back(std::move(r));
+  };
+  auto num_results = [&] {
+    std::lock_guard<std::mutex> lock(mu);
+    return results.size();
+  };
+  // The short one is long enough for the update (staged on the calling thread first) to reach
+  // the engine while it runs; the long ones cannot finish before the pause.
+  const WeightMap v1 = Perturbed(base_, 12);
+  ASSERT_TRUE(e.Submit(MakeRequest("short", Prompt(6, 700), 120), collect).ok());
+  for (int i = 0; i < 2; ++i) {
+    ASSERT_TRUE(e.Submit(MakeRequest("long" + std::to_string(i), Prompt(6, 701 + i), 240), collect).ok());
+  }
+  for (int i = 0; i < 5000 && e.stats().num_generated_tokens < 3; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  ASSERT_EQ(e.stats().num_running, 3);
+  auto ack_future = std::async(std::launch::async,
+                               [&] { return e.UpdateWeights(v1, 1, InFlightMode::kDrain); });
+  for (int i = 0; i < 30000 && num_results() < 1; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  ASSERT_EQ(num_results(), 1u);
+  e.Pause();
+  const UpdateResult ack = ack_future.get();
+  ASSERT_TRUE(ack.ok) << ack.error;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    EXPECT_EQ(results[0].request_id, "short");
+    EXPECT_EQ(results[0].policy_version, 0u);
+  }
+  EXPECT_EQ(ack.num_drained, 1);
+  EXPECT_EQ(ack.num_restarted, 2);
+  e.Resume();
+  for (int i = 0; i < 30000 && num_results() < 3; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  e.Stop();
+  std::lock_guard<std::mutex> lock(mu);
+  ASSERT_EQ(results.size(), 3u);
+  for (size_t i = 1; i < 3; ++i) EXPECT_EQ(results[i].policy_version, 1u) << results[i].request_id;  // restarted
 }
 
 long ResidentKiB() {
