@@ -504,6 +504,7 @@ UpdateAckMsg Client::PushWeights(const std::vector<TensorBytes>& tensors, Policy
   begin.manifest.version = version;
   begin.manifest.partial = options.partial;
   begin.manifest.rope_layout = options.rope_layout;
+  begin.base_version = options.base_version;
   for (const TensorBytes& t : tensors) {
     if (t.data == nullptr && t.num_bytes > 0) throw TransportError(fmt::format("tensor {} has no data", t.name));
     begin.manifest.tensors.push_back(

@@ -90,6 +90,12 @@ struct PushOptions {
   /// travels in update_begin, where the worker checks it again. nullopt: not declared, not checked
   /// (rows in the wrong order would pass every other check and compute garbage).
   std::optional<policy::RopeLayout> rope_layout;
+  /// The policy version the update was made against (e.g. the trainer's last push), sent in
+  /// update_begin: a worker running another version refuses it, WorkerError code bad_field,
+  /// field "base_version", nothing applied. Set it for partial updates: one applied on top of
+  /// other weights leaves that worker on the same version number with different weights.
+  /// nullopt: not checked.
+  std::optional<PolicyVersion> base_version;
 };
 
 /// Where the time of one PushWeights call went, milliseconds.

@@ -417,6 +417,7 @@ UpdateBeginMsg ParseUpdateBegin(const MapReader& m, std::string id) {
   msg.manifest.version = m.U64("version");
   msg.mode = ParseMode(m);
   msg.manifest.partial = m.OptBool("partial", false);
+  if (m.Find("base_version") != nullptr) msg.base_version = m.U64("base_version");
   if (m.Find("rope_layout") != nullptr) {
     const std::string layout = m.Str("rope_layout");
     msg.manifest.rope_layout = policy::ParseRopeLayout(layout);
@@ -832,6 +833,7 @@ struct ClientEncoder {
     w.Str("mode", rollout::InFlightModeName(m.mode));
     w.Bool("partial", m.manifest.partial);
     if (m.manifest.rope_layout) w.Str("rope_layout", policy::RopeLayoutName(*m.manifest.rope_layout));
+    if (m.base_version) w.Uint("base_version", *m.base_version);
     w.Key("tensors").pack_array(static_cast<uint32_t>(m.manifest.tensors.size()));
     for (const policy::TensorManifestEntry& e : m.manifest.tensors) {
       MapWriter t;

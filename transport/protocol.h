@@ -85,6 +85,12 @@ struct UpdateBeginMsg {
   std::string update_id;
   rollout::InFlightMode mode = rollout::InFlightMode::kDrain;
   policy::UpdateManifest manifest;  ///< version, tensors, partial, rope_layout
+  /// The policy version the update was made against: when set, a worker running any other
+  /// version refuses the begin (bad_field base_version). A partial update changes some
+  /// parameters of the weights the worker has, so workers on different versions would end up on
+  /// the same version number with different weights; the Python client sets it for partial
+  /// pushes (docs/PROTOCOL.md).
+  std::optional<PolicyVersion> base_version;
 };
 
 /// "update_chunk": bytes [offset, offset + frame size) of tensor `name`; the bytes are frame 1.

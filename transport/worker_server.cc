@@ -1108,6 +1108,21 @@ struct WorkerServer::Impl {
     }
     if (!CheckManifest(peer, m)) return;
     const PolicyVersion current = engine.policy_version();
+    if (m.base_version && *m.base_version != current) {
+      // No update can be applied between this check and this one's apply: it is the only one open.
+      log.warn("update '{}' refused at begin: made against version {}, this worker runs {}", m.update_id,
+               *m.base_version, current);
+      SendError(peer, m.id, ErrorCode::kBadField, "base_version",
+                fmt::format("= {} but this worker runs version {}: the update was made against other weights "
+                            "than this worker's{}; bring the worker to version {} first (push the full weights)",
+                            *m.base_version, current,
+                            m.manifest.partial ? " (a partial update would leave it on version "
+                                                 + std::to_string(m.manifest.version) + " with different weights "
+                                                 "than the others)"
+                                               : "",
+                            *m.base_version));
+      return;
+    }
     policy::UpdateStatus st = staging->Begin(m.manifest, current);
     if (!st.ok()) {
       staging->Abort();

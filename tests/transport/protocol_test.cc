@@ -125,6 +125,10 @@ TEST(ProtocolTest, UpdateMessagesRoundTrip) {
   EXPECT_EQ(rb.manifest.tensors[0].checksum, 0x1234567890abcdefULL);
   EXPECT_EQ(rb.manifest.tensors[1].shape, (std::vector<int64_t>{259, 64}));
   EXPECT_FALSE(rb.manifest.rope_layout.has_value());  // not declared: not sent, not checked
+  EXPECT_FALSE(rb.base_version.has_value());
+  b.base_version = 11;
+  EXPECT_EQ(RoundTripClient(b).base_version, std::optional<PolicyVersion>(11));
+  b.base_version.reset();
   for (policy::RopeLayout layout : {policy::RopeLayout::kInterleaved, policy::RopeLayout::kHalfSplit}) {
     b.manifest.rope_layout = layout;
     EXPECT_EQ(RoundTripClient(b).manifest.rope_layout, layout);

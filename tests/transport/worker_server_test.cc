@@ -1347,6 +1347,32 @@ TEST(WorkerServerTest, AnUpdateDeclaringAnotherRopeLayoutThanTheModelsIsRefusedB
   EXPECT_EQ(trainer->Health().policy_version, 2u);
 }
 
+TEST(WorkerServerTest, AnUpdateMadeAgainstAnotherVersionThanTheWorkersIsRefusedAtBegin) {
+  // helper-77: a partial update applied on a worker restarted from its initial weights left it on
+  // the others' version number with different weights. A declared base_version rules that out.
+  WorkerHarness worker;
+  auto trainer = Connect(worker.endpoint());
+  const policy::WeightMap& weights = NewPolicy().weights;
+  PushOptions options;
+  options.partial = true;
+  options.base_version = 3;
+  const policy::WeightMap norm = {{"model.norm.weight", weights.at("model.norm.weight")}};
+  try {
+    (void)trainer->PushWeights(norm, 4, options);
+    ADD_FAILURE() << "a partial update made against version 3 was applied on version 0";
+  } catch (const WorkerError& e) {
+    EXPECT_EQ(e.error().code, ErrorCode::kBadField);
+    EXPECT_EQ(e.error().field, "base_version");
+    EXPECT_NE(e.error().message.find("= 3 but this worker runs version 0"), std::string::npos) << e.error().message;
+  }
+  HealthMsg health = trainer->Health();
+  EXPECT_EQ(health.policy_version, 0u);
+  EXPECT_EQ(health.update_version, 0u);  // no update was opened
+  options.base_version = 0;
+  EXPECT_EQ(trainer->PushWeights(norm, 4, options).version, 4u);
+  EXPECT_EQ(trainer->Health().policy_version, 4u);
+}
+
 TEST(WorkerServerTest, ANonFiniteWeightFailsTheCommitEvenWithoutApply) {
   // Phase one of a two-phase push ("verified") promises that update_apply will be accepted: a
   // NaN or an infinity, which the engine refuses, must fail the commit itself, naming the tensor

@@ -725,7 +725,38 @@ class PushWeightsTest(FakeWorkerTestCase):
         weights = {"model.norm.weight": torch.full((8,), 2.0)}
         acks = self.client.push_weights(weights, version=1, partial=True)
         self.assertEqual([a.version for a in acks], [1, 1])
-        self.assertEqual(self.workers[0].received[0][1]["partial"], True)
+        for w in self.workers:  # made against the version both reported
+            self.assertEqual(w.types()[:2], ["health", "update_begin"])
+            begin = w.received[1][1]
+            self.assertEqual((begin["partial"], begin["base_version"]), (True, 0))
+
+    def test_a_partial_push_to_workers_on_different_versions_sends_nothing(self):
+        # helper-77: a worker restarted from its initial weights took a partial update meant for
+        # the others' version, and reported that version with other weights.
+        self.workers[1].version = 3
+        weights = {"model.norm.weight": torch.full((8,), 2.0)}
+        with self.assertRaises(WeightUpdateError) as cm:
+            self.client.push_weights(weights, version=4, partial=True)
+        self.assertEqual(cm.exception.phase, "version")
+        self.assertEqual(list(cm.exception.failures), [self.workers[0].endpoint])
+        self.assertIn("runs version 0", str(cm.exception))
+        self.assertIn("ensure_weights", str(cm.exception))
+        for w in self.workers:
+            self.assertEqual(w.types(), ["health"])
+        # Given explicitly, the base version is sent as it is, without asking (full updates too).
+        self.client.push_weights(make_weights(5), version=4, base_version=3, endpoints=[self.workers[1].endpoint])
+        begins = [h for t, h in self.workers[1].received if t == "update_begin"]
+        self.assertEqual(begins[-1]["base_version"], 3)
+        with self.assertRaises(ValueError):
+            self.client.push_weights(weights, version=5, partial=True, base_version=5)
+
+    def test_workers_whose_weights_differ_after_a_partial_push_fail_its_checksum_phase(self):
+        self.workers[0].bad_checksum = True
+        with self.assertRaises(WeightUpdateError) as cm:
+            self.client.push_weights({"model.norm.weight": torch.full((8,), 2.0)}, version=1, partial=True)
+        self.assertEqual(cm.exception.phase, "checksum")
+        self.assertEqual(len(cm.exception.applied), 2)
+        self.assertIn("the workers' weights differ", str(cm.exception))
 
     def test_argument_errors(self):
         with self.assertRaises(ValueError):

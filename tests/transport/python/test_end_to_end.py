@@ -369,6 +369,35 @@ class TwoWorkersTest(unittest.TestCase):
             self.assertIn("differs from its embedding", str(failure))
         self.assertEqual(self.versions(), [version, version])
 
+    def test_a_partial_update_is_refused_where_the_workers_run_other_versions(self):
+        # helper-77: a worker restarted at version 0 took a partial update made for the others'
+        # version and reported the same version with other weights.
+        before = self.versions()
+        ahead = max(before) + 1
+        self.client.push_weights(make_weights(seed=41), version=ahead, endpoints=[self.endpoints[0]],
+                                 rope_layout=None)
+        norm = {"model.norm.weight": torch.full((DIM,), 1.5)}
+        with self.assertRaises(WeightUpdateError) as cm:
+            self.client.push_weights(norm, version=ahead + 1, partial=True, rope_layout=None)
+        self.assertEqual(cm.exception.phase, "version")
+        self.assertEqual(list(cm.exception.failures), [self.endpoints[1]])
+        self.assertEqual(self.versions(), [ahead, before[1]])
+        # The worker checks a declared base version itself (another trainer may push meanwhile).
+        with self.assertRaises(WeightUpdateError) as cm:
+            self.client.push_weights(norm, version=ahead + 1, partial=True, base_version=ahead,
+                                     rope_layout=None)
+        self.assertEqual(cm.exception.phase, "begin")
+        self.assertEqual(list(cm.exception.failures), [self.endpoints[1]])
+        failure = cm.exception.failures[self.endpoints[1]]
+        self.assertEqual((failure.code, failure.field), ("bad_field", "base_version"))
+        self.assertIn(f"runs version {before[1]}", str(failure))
+        self.assertEqual(self.versions(), [ahead, before[1]])
+        # Brought to one version, the partial update applies on both, with the same weights.
+        self.client.ensure_weights(make_weights(seed=41), ahead, rope_layout=None)
+        acks = self.client.push_weights(norm, version=ahead + 1, partial=True, rope_layout=None)
+        self.assertEqual(len({a.weights_checksum for a in acks}), 1)
+        self.assertEqual(self.versions(), [ahead + 1] * 2)
+
     def test_rope_layout_is_checked_against_the_workers_before_anything_is_sent(self):
         # The default model is llama2.c-style (interleaved RoPE): weights declared in Hugging
         # Face order are refused before anything is sent; declared interleaved, they go through.

@@ -1040,7 +1040,7 @@ class VrollClient:
                 w.request_limit = max(1, w.num_accepted_requests)
                 w.num_overloaded += 1
                 w.backoff_until = now + min(_MAX_OVERLOAD_BACKOFF_S,
-                                            0.01 * 2 ** min(w.num_overloaded, 10))
+                                            0.01 * 2 ** min(w.num_overloaded - 1, 7))  # 10 ms, 20 ms, ...
                 request.worker = None
                 queue.appendleft(request)
                 return None
@@ -1096,7 +1096,8 @@ class VrollClient:
                      endpoints: Optional[Sequence[str]] = None,
                      apply_timeout_s: Optional[float] = None,
                      busy_wait_s: float = 5.0,
-                     rope_layout: Optional[str] = _DEFAULT_ROPE_LAYOUT) -> List[UpdateAck]:
+                     rope_layout: Optional[str] = _DEFAULT_ROPE_LAYOUT,
+                     base_version: Optional[int] = None) -> List[UpdateAck]:
         """Pushes new weights to the workers as one all-or-nothing update; returns each
         worker's ``applied`` acknowledgement, in endpoint order.
 
@@ -1120,8 +1121,11 @@ class VrollClient:
             current one.
           mode: what running sequences do at the swap: ``drain`` (finish under the old
             weights), ``abort``, ``restart`` or ``continue``.
-          partial: True when named_tensors is a subset of the model's parameters (the
-            weights_checksum check is skipped then: the local tensors are not all the weights).
+          partial: True when named_tensors is a subset of the model's parameters. The update
+            changes those on top of the weights each worker has, so they must all run the
+            same version: it is checked (see base_version), and the workers' weights_checksums
+            must agree with each other after the apply (the check against the local tensors is
+            skipped: they are not all the weights).
           chunk_bytes: bytes per update_chunk frame (must fit the worker's max_message_bytes).
           endpoints: a subset of this client's workers (default all).
           apply_timeout_s: how long to wait for the ``applied`` acknowledgements (drain mode
@@ -1144,6 +1148,14 @@ class VrollClient:
             sent in update_begin and checked there by the worker (a mismatch fails phase
             ``begin``, aborted everywhere, naming the layouts); workers older than the field
             are not checked. None: not checked anywhere.
+          base_version: the version the update was made against (the trainer's last push).
+            Sent in update_begin: a worker running any other version refuses it (phase
+            ``begin``, bad_field ``base_version``, aborted everywhere). Partial updates
+            default to the version every worker's health reports, and fail in phase
+            ``version`` (nothing sent) when they differ, e.g. after a worker restarted from
+            its initial weights: bring it up to date with ensure_weights and the full weights
+            first. A partial update pushed to workers that all restarted would apply on top of
+            their initial weights: pass base_version to rule that out.
         Returns:
           list[UpdateAck] with stage ``applied``, version == ``version`` and (full updates)
           weights_checksum == weights_checksum(named_tensors); for a worker whose model ties
@@ -1154,8 +1166,10 @@ class VrollClient:
         Raises:
           TypeError / ValueError: a bad argument or tensor dtype (nothing sent).
           WeightUpdateError: ``phase`` says where (begin, stage, verify: aborted everywhere;
-            apply, checksum: see ``applied`` and ``pending``); ``failures`` names each failed
-            worker's error.
+            apply, checksum: see ``applied`` and ``pending``; version: the workers of a partial
+            update run different versions, nothing sent); ``failures`` names each failed
+            worker's error. A worker that does not answer the health check made for
+            rope_layout or a partial update's base version fails phase ``begin``.
         Cost: one XXH3 pass over the bytes as sent, one float32 conversion pass for the
         weights checksum (unless partial), and one send of every byte to every worker.
         """
@@ -1184,12 +1198,22 @@ class VrollClient:
             raise ValueError(f"rope_layout = {rope_layout!r}; one of None, 'interleaved', 'half_split'")
         rope_layout_defaulted = isinstance(rope_layout, _DefaultRopeLayout)
         rope_layout = str(rope_layout) if rope_layout is not None else None
+        if base_version is not None:
+            if isinstance(base_version, bool) or not isinstance(base_version, numbers.Integral):
+                raise TypeError(f"base_version = {base_version!r} must be an int")
+            base_version = int(base_version)
+            if not 0 <= base_version < version:
+                raise ValueError(f"base_version = {base_version} must be in [0, version = {version})")
         workers = self._select(endpoints)
-        if rope_layout is not None and not rope_layout_defaulted:
-            self._check_rope_layout(workers, rope_layout)
+        update_id = self._next_id("u")
+        if (rope_layout is not None and not rope_layout_defaulted) or (partial and base_version is None):
+            health = self._health_for_update(workers, version, update_id)
+            if rope_layout is not None and not rope_layout_defaulted:
+                self._check_rope_layout(health, rope_layout)
+            if partial and base_version is None:
+                base_version = self._common_version(health, version, update_id)
         tensors = [to_wire(name, named_tensors[name]) for name in sorted(named_tensors)]
         expected_checksums = set() if partial else _expected_weights_checksums(tensors, named_tensors)
-        update_id = self._next_id("u")
         manifest = [protocol.make_manifest_entry(t.name, t.dtype, t.shape, t.num_bytes,
                                                  t.checksum) for t in tensors]
 
@@ -1221,7 +1245,7 @@ class VrollClient:
         # changes) every keep-alive period, so that their update_timeout_ms does not end it.
         def make_begin(id_: str) -> Dict[str, Any]:
             return protocol.make_update_begin(update_id, version, manifest, mode, partial, id_,
-                                              rope_layout)
+                                              rope_layout, base_version)
 
         busy_deadline = time.monotonic() + max(0.0, busy_wait_s)
         backoff_s = 0.05
@@ -1332,9 +1356,51 @@ class VrollClient:
                 local = " or ".join(f"{c:#018x}" for c in sorted(expected_checksums))
                 failures[ack.worker] = VrollError(
                     f"{ack.worker}: weights_checksum {reported} != local {local}")
+        if partial and not failures and len({ack.weights_checksum for ack in acks}) > 1:
+            # Same base version and same tensors, yet different weights: the workers did not
+            # hold the same weights before (e.g. loaded from different checkpoints).
+            by_checksum: Dict[Any, List[str]] = {}
+            for ack in acks:
+                by_checksum.setdefault(ack.weights_checksum, []).append(ack.worker)
+            groups = "; ".join(f"{'none' if c is None else f'{c:#018x}'}: {', '.join(eps)}"
+                               for c, eps in by_checksum.items())
+            for ack in acks:
+                failures[ack.worker] = VrollError(
+                    f"{ack.worker}: after this partial update the workers' weights differ ({groups})")
         if failures:
             raise WeightUpdateError(version, update_id, "checksum", failures, acks)
         return acks
+
+    def _health_for_update(self, workers: Sequence[_Worker], version: int,
+                           update_id: str) -> Dict[str, Dict[str, Any]]:
+        """Each worker's health reply, for push_weights' checks before anything is sent; a
+        worker that does not answer fails the update in phase ``begin`` (nothing was sent)."""
+        replies: Dict[str, Dict[str, Any]] = {}
+        failures: Dict[str, Exception] = {}
+        for w in workers:
+            try:
+                replies[w.endpoint] = self.health([w.endpoint])[w.endpoint]
+            except (WorkerError, VrollTimeoutError) as exc:
+                failures[w.endpoint] = exc
+        if failures:
+            raise WeightUpdateError(version, update_id, "begin", failures)
+        return replies
+
+    @staticmethod
+    def _common_version(health: Mapping[str, Mapping[str, Any]], version: int, update_id: str) -> int:
+        """The policy version every worker's health reports (a partial update's base), or
+        WeightUpdateError phase ``version`` naming each worker's when they differ."""
+        versions = {ep: int(h.get("policy_version", 0)) for ep, h in health.items()}
+        if len(set(versions.values())) <= 1:
+            return next(iter(versions.values()), 0)
+        listed = ", ".join(f"{ep} runs {v}" for ep, v in versions.items())
+        failures: Dict[str, Exception] = {
+            ep: VrollError(
+                f"{ep} runs version {v}; a partial update changes some parameters of the weights each "
+                f"worker has, so all must run the same version ({listed}): bring them to one version "
+                "with the full weights first (ensure_weights)")
+            for ep, v in versions.items() if v != max(versions.values())}
+        raise WeightUpdateError(version, update_id, "version", failures)
 
     def _apply_timeout_states(self, endpoints: Sequence[str], version: int) -> Dict[str, str]:
         """Where each worker whose ``update_apply`` timed out stands (WeightUpdateError.pending).
@@ -1357,9 +1423,10 @@ class VrollClient:
                                     "open: it will not apply it")
         return states
 
-    def _check_rope_layout(self, workers: Sequence[_Worker], rope_layout: str) -> None:
-        """ValueError unless every worker's health reports `rope_layout` (push_weights)."""
-        for endpoint, reply in self.health([w.endpoint for w in workers]).items():
+    @staticmethod
+    def _check_rope_layout(health: Mapping[str, Mapping[str, Any]], rope_layout: str) -> None:
+        """ValueError unless every worker's health reply reports `rope_layout` (push_weights)."""
+        for endpoint, reply in health.items():
             layout = (reply.get("model") or {}).get("rope_layout")
             if layout is None:
                 raise ValueError(f"{endpoint}: its health reply names no rope_layout (an older worker), so "

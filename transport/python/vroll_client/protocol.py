@@ -144,15 +144,19 @@ def make_manifest_entry(name: str, dtype: str, shape: Sequence[int], num_bytes: 
 def make_update_begin(update_id: str, version: int, tensors: Sequence[Mapping[str, Any]],
                       mode: str = "drain", partial: bool = False,
                       id_: Optional[str] = None,
-                      rope_layout: Optional[str] = None) -> Dict[str, Any]:
+                      rope_layout: Optional[str] = None,
+                      base_version: Optional[int] = None) -> Dict[str, Any]:
     """The ``update_begin`` header; ``tensors`` are make_manifest_entry maps; ``rope_layout``
     (``"interleaved"`` or ``"half_split"``), when given, is checked by the worker against its
-    model's."""
+    model's; ``base_version``, when given, is the version the update was made against: a worker
+    running another one refuses it (bad_field ``base_version``)."""
     header = _base("update_begin", id_)
     header.update({"update_id": update_id, "version": int(version), "mode": mode,
                    "partial": bool(partial), "tensors": [dict(t) for t in tensors]})
     if rope_layout is not None:
         header["rope_layout"] = rope_layout
+    if base_version is not None:
+        header["base_version"] = int(base_version)
     return header
 
 
