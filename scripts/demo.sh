@@ -5,7 +5,6 @@
 # log are. Uses stories260K from ../shared/models when present, else the embedded default model.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/build.sh >&2
 BUILD_DIR=${VROLL_BUILD_DIR:-build}
 MODELS=${VROLL_MODELS:-../shared/models}
 MINUTES=${VROLL_DEMO_MINUTES:-3}
@@ -14,6 +13,14 @@ ARGS=(--worker-bin "$BUILD_DIR/examples/vroll-worker" --minutes "$MINUTES" --out
 if [ -f "$MODELS/stories260K.bin" ] && [ -f "$MODELS/tok512.bin" ]; then
   ARGS+=(--model "$MODELS/stories260K.bin" --tokenizer "$MODELS/tok512.bin")
 else
-  echo "demo: $MODELS/stories260K.bin not found; training the embedded default model instead" >&2
+  missing=""
+  for f in stories260K.bin tok512.bin; do [ -f "$MODELS/$f" ] || missing="$missing $MODELS/$f"; done
+  if [ -n "${VROLL_MODELS:-}" ]; then
+    # Asked for explicitly: a missing file is an error, not a silent switch of model.
+    echo "demo: error: VROLL_MODELS=$VROLL_MODELS lacks$missing (relative paths are from the repository root, $(pwd))" >&2
+    exit 2
+  fi
+  echo "demo:$missing not found; training the embedded default model instead" >&2
 fi
+bash scripts/build.sh >&2
 exec /usr/bin/python3 examples/python/grpo_trainer.py "${ARGS[@]}" "$@"
