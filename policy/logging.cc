@@ -38,11 +38,14 @@ spdlog::level::level_enum LevelFromEnv() {
 spdlog::logger& Logger(const std::string& layer) {
   static std::mutex mu;  // guards creation of loggers in the spdlog registry
   std::lock_guard<std::mutex> lock(mu);
-  std::shared_ptr<spdlog::logger> logger = spdlog::get(layer);
+  // Registered as "vroll.<layer>": spdlog's registry is global, and a host application may well
+  // have a "cache" or "transport" logger of its own (creating one of the same name throws).
+  const std::string name = "vroll." + layer;
+  std::shared_ptr<spdlog::logger> logger = spdlog::get(name);
   if (!logger) {
-    logger = spdlog::stderr_color_mt(layer);
+    logger = spdlog::stderr_color_mt(name);
     logger->set_level(LevelFromEnv());
-    logger->set_pattern("[%H:%M:%S.%e] [%n] [%^%l%$] %v");
+    logger->set_pattern("[%H:%M:%S.%e] [" + layer + "] [%^%l%$] %v");  // lines name the layer alone
   }
   return *logger;
 }

@@ -9,7 +9,10 @@
 
 namespace vroll {
 
-/// Returns the logger named `layer`, creating it on first use (stderr sink, shared level).
+/// Returns the logger of `layer`, creating it on first use (stderr sink, shared level). It is
+/// registered in spdlog's global registry as "vroll.<layer>" (e.g. spdlog::get("vroll.transport")
+/// to add a sink or change its level), leaving plain names like "cache" to the host application;
+/// its lines still read "[<layer>]".
 /// Thread safety: safe to call from any thread. The level follows VROLL_LOG_LEVEL
 /// (trace, debug, info, warn, error, off; default info), read once in this one place.
 spdlog::logger& Logger(const std::string& layer);

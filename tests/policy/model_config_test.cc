@@ -11,7 +11,10 @@
 
 #include <c10/util/Exception.h>
 
+#include <spdlog/sinks/stdout_color_sinks.h>
+
 #include "policy/errors.h"
+#include "policy/logging.h"
 #include "policy/weights.h"
 
 namespace vroll::policy {
@@ -220,3 +223,23 @@ TEST(DescribeErrorTest, LibTorchErrorsLoseTheirBacktraceOursStayWhole) {
 
 }  // namespace
 }  // namespace vroll::policy
+
+namespace vroll {
+namespace {
+
+// helper-74: vroll registered its loggers as "policy", "cache", ... in spdlog's global registry,
+// so a host application's own spdlog::stdout_color_mt("cache") threw "logger with name 'cache'
+// already exists" (and one made first silently received vroll's lines).
+TEST(LoggingTest, LayerLoggersAreRegisteredUnderVrollLeavingPlainNamesToTheHost) {
+  spdlog::logger& ours = Logger("cache");
+  EXPECT_EQ(ours.name(), "vroll.cache");
+  EXPECT_EQ(spdlog::get("vroll.cache").get(), &ours);
+  std::shared_ptr<spdlog::logger> host;
+  EXPECT_NO_THROW(host = spdlog::stdout_color_mt("cache"));
+  EXPECT_NE(host.get(), &ours);
+  EXPECT_EQ(&Logger("cache"), &ours);  // the host's logger is not taken for vroll's
+  spdlog::drop("cache");
+}
+
+}  // namespace
+}  // namespace vroll
