@@ -18,6 +18,7 @@
 
 #include "examples/fatal_error.h"
 #include "examples/cli_checks.h"
+#include "examples/text_output.h"
 #include "policy/blas_setup.h"
 #include "policy/contiguous_kv_cache.h"
 #include "policy/default_model.h"
@@ -32,12 +33,9 @@ using vroll::policy::TokenId;
 
 /// Writes a piece as run.c's safe_printf does: a lone non-printable control byte is skipped.
 void PrintPiece(const std::string& piece) {
-  if (piece.empty()) return;
-  if (piece.size() == 1) {
-    const unsigned char c = static_cast<unsigned char>(piece[0]);
-    if (!(std::isprint(c) || std::isspace(c))) return;
-  }
-  std::fwrite(piece.data(), 1, piece.size(), stdout);
+  const std::string safe = vroll::examples::SafePiece(piece);
+  if (safe.empty()) return;
+  std::fwrite(safe.data(), 1, safe.size(), stdout);
   std::fflush(stdout);
 }
 
@@ -88,6 +86,11 @@ int main(int argc, char** argv) {
     vroll::policy::ModelOptions options;
     try {  // a device this LibTorch build has (e.g. no cuda on Debian's CPU build)
       options.device = c10::Device(device_name);
+      if (!options.device.is_cpu() && !options.device.is_cuda()) {
+        return vroll::examples::ReportFatal(
+            log, "vroll-generate", fmt::format("--device {}: not supported (cpu, or cuda[:N] with a CUDA LibTorch)", device_name),
+            2);
+      }
       if (options.device.is_cuda() && !at::hasCUDA()) {
         return vroll::examples::ReportFatal(
             log, "vroll-generate",
@@ -130,16 +133,24 @@ int main(int argc, char** argv) {
       at::Tensor logits = model.Forward(batch, kv).to(at::kCPU).contiguous();
       const vroll::rollout::TokenChoice choice =
           vroll::rollout::SampleToken(logits.data_ptr<float>(), model.config().vocab_size, params, rng, scratch);
-      ++generated;
       if (choice.token == vroll::policy::Tokenizer::kBos || choice.token == vroll::policy::Tokenizer::kEos) break;
+      ++generated;
       PrintPiece(tokenizer->DecodePiece(tokens.back(), choice.token));
       tokens.push_back(choice.token);
-      if (static_cast<int>(tokens.size()) >= max_len) break;
+      if (static_cast<int>(tokens.size()) >= max_len) {
+        if (generated < params.max_new_tokens) {
+          log.warn("stopped after {} of --max-new-tokens {} tokens: the context ({} positions) is full", generated,
+                   params.max_new_tokens, max_len);
+        }
+        break;
+      }
       batch.token_ids = {choice.token};
       batch.positions = {context};
     }
     std::printf("\n");
-    std::fflush(stdout);
+    if (const std::string error = vroll::examples::StdoutError(); !error.empty()) {
+      return vroll::examples::ReportFatal(log, "vroll-generate", error);
+    }
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     log.info("generated {} tokens in {:.3f} s ({:.1f} tokens/s)", generated, seconds, generated / seconds);
   } catch (const std::exception& e) {

@@ -4,9 +4,14 @@
 //       --prompt "One day" --n 4 --max-new-tokens 40
 //
 // Submits every prompt as one request of n samples (each group prefills its prompt once), prints
-// each sample with its mean logprob and policy version, then the engine's stats.
+// each sample as it finishes with its mean logprob and policy version, then the engine's stats.
+// --jsonl FILE also writes each sample's token ids and per-token logprobs, one JSON object per
+// line. Ctrl-C (SIGINT) stops at the next step: the unfinished samples are aborted (each is still
+// printed and written, finish reason "aborted", with the tokens it had), and the exit status is 130.
 
+#include <csignal>
 #include <cstdio>
+#include <fstream>
 #include <numeric>
 #include <optional>
 #include <string>
@@ -14,9 +19,11 @@
 
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
+#include <nlohmann/json.hpp>
 
 #include "examples/fatal_error.h"
 #include "examples/cli_checks.h"
+#include "examples/text_output.h"
 #include "cache/cache_types.h"
 #include "policy/blas_setup.h"
 #include "policy/default_model.h"
@@ -24,9 +31,16 @@
 #include "policy/logging.h"
 #include "rollout/engine.h"
 
+namespace {
+
+volatile std::sig_atomic_t g_interrupted = 0;
+extern "C" void OnSigint(int) { g_interrupted = 1; }
+
+}  // namespace
+
 int main(int argc, char** argv) {
   vroll::EnsureFastBlas(argc, argv);
-  std::string model_path, tokenizer_path;
+  std::string model_path, tokenizer_path, jsonl_path;
   std::vector<std::string> prompts;
   int n = 4, threads = 0;
   vroll::rollout::SamplingParams sampling;
@@ -50,6 +64,11 @@ int main(int argc, char** argv) {
   app.add_option("--threads", threads, "intra-op threads (0 = all cores)")->capture_default_str()->check(vroll::examples::IntAtLeast(0));
   vroll::examples::AddKvCacheDtypeOption(app, kv_cache_dtype);
   vroll::examples::AddBlockSizeOption(app, block_size);
+  app.add_option("--jsonl", jsonl_path,
+                 "also write every sample to this file as it finishes, one JSON object per line: request_id, "
+                 "prompt_index, sample_index, prompt, prompt_ids, output_ids, logprobs (per output token, "
+                 "log_softmax(logits / temperature)), text, policy_version, version_spans, finish_reason, error, "
+                 "num_prompt_tokens, num_cached_prompt_tokens");
   CLI11_PARSE(app, argc, argv);
   auto& log = vroll::Logger("examples");
   try {
@@ -67,6 +86,11 @@ int main(int argc, char** argv) {
     vroll::rollout::EngineConfig engine_config;
     engine_config.kv_cache_dtype = vroll::cache::ParseKvCacheDtype(kv_cache_dtype);
     engine_config.block_size = block_size;
+    std::ofstream jsonl;
+    if (!jsonl_path.empty()) {
+      jsonl.open(jsonl_path, std::ios::out | std::ios::trunc);
+      if (!jsonl) throw std::runtime_error(fmt::format("--jsonl {}: cannot open it for writing", jsonl_path));
+    }
     vroll::rollout::Engine engine(ckpt, engine_config);
     std::vector<vroll::rollout::Request> requests;
     for (size_t i = 0; i < prompts.size(); ++i) {
@@ -78,20 +102,65 @@ int main(int argc, char** argv) {
       r.seed = seed + i;
       requests.push_back(std::move(r));
     }
-    for (const vroll::rollout::SampleResult& s : engine.Generate(requests)) {
-      const size_t i = std::stoul(s.request_id.substr(6));
+    // Each sample is printed (and written) as it finishes, on this thread, inside Step.
+    int num_finished = 0;
+    auto on_result = [&](size_t i, const vroll::rollout::SampleResult& s) {
+      ++num_finished;
       const double mean_logprob =
           s.logprobs.empty() ? 0.0 : std::accumulate(s.logprobs.begin(), s.logprobs.end(), 0.0) / s.logprobs.size();
-      std::string text;
+      std::string text, shown;  // shown: without raw control bytes (the terminal); text: as decoded (the JSON)
       vroll::policy::TokenId prev = requests[i].prompt.back();
       for (vroll::policy::TokenId t : s.output_ids) {
-        text += tokenizer.DecodePiece(prev, t);
+        const std::string piece = tokenizer.DecodePiece(prev, t);
+        text += piece;
+        shown += vroll::examples::SafePiece(piece);
         prev = t;
       }
       std::printf("[%s #%d] v%llu %zu tokens, mean logprob %.3f, %s, cached prompt tokens %d\n  %s%s\n",
                   s.request_id.c_str(), s.sample_index, static_cast<unsigned long long>(s.policy_version),
                   s.output_ids.size(), mean_logprob, vroll::rollout::FinishReasonName(s.finish_reason),
-                  s.num_cached_prompt_tokens, prompts[i].c_str(), text.c_str());
+                  s.num_cached_prompt_tokens, prompts[i].c_str(), shown.c_str());
+      std::fflush(stdout);
+      if (!jsonl.is_open()) return;
+      nlohmann::json spans = nlohmann::json::array();
+      for (const vroll::rollout::VersionSpan& v : s.version_spans) {
+        spans.push_back({{"begin", v.begin}, {"end", v.end}, {"version", v.version}});
+      }
+      const nlohmann::json line = {
+          {"request_id", s.request_id}, {"prompt_index", i}, {"sample_index", s.sample_index},
+          {"prompt", prompts[i]}, {"prompt_ids", requests[i].prompt}, {"output_ids", s.output_ids},
+          {"logprobs", s.logprobs}, {"text", text}, {"policy_version", s.policy_version}, {"version_spans", spans},
+          {"finish_reason", vroll::rollout::FinishReasonName(s.finish_reason)}, {"error", s.error},
+          {"num_prompt_tokens", s.num_prompt_tokens}, {"num_cached_prompt_tokens", s.num_cached_prompt_tokens}};
+      // Invalid UTF-8 (a byte-level model's raw bytes) becomes U+FFFD rather than an exception.
+      jsonl << line.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) << '\n';
+      jsonl.flush();
+      if (!jsonl) throw std::runtime_error(fmt::format("--jsonl {}: writing failed", jsonl_path));
+    };
+    for (size_t i = 0; i < requests.size(); ++i) {
+      const vroll::rollout::SubmitStatus st = engine.Submit(
+          requests[i], [&on_result, i](vroll::rollout::SampleResult s) { on_result(i, s); });
+      if (!st.ok()) throw std::invalid_argument(fmt::format("prompt {}: {}", i, st.error));
+    }
+    std::signal(SIGINT, OnSigint);
+    while (!g_interrupted && engine.Step()) {
+    }
+    std::signal(SIGINT, SIG_DFL);
+    if (g_interrupted) {
+      const int num_done = num_finished;
+      for (const vroll::rollout::Request& r : requests) engine.Abort(r.request_id);
+      while (engine.Step()) {  // emits each aborted sample through on_result
+      }
+      if (const std::string error = vroll::examples::StdoutError(); !error.empty()) {
+        return vroll::examples::ReportFatal(log, "vroll-offline", error);
+      }
+      return vroll::examples::ReportFatal(
+          log, "vroll-offline",
+          fmt::format("interrupted: {} of {} samples had finished; the other {} were aborted (shown{} with finish "
+                      "reason aborted and the tokens they had)",
+                      num_done, requests.size() * n, num_finished - num_done,
+                      jsonl.is_open() ? " and written to " + jsonl_path : std::string()),
+          130);
     }
     const vroll::rollout::EngineStats st = engine.stats();
     std::printf("\n%lld steps, %lld prompt tokens prefilled, %lld tokens generated (%.0f tokens/s), peak %d of %d "
@@ -99,6 +168,9 @@ int main(int argc, char** argv) {
                 static_cast<long long>(st.num_steps), static_cast<long long>(st.num_prefill_tokens),
                 static_cast<long long>(st.num_generated_tokens), st.tokens_per_second, st.peak_used_blocks,
                 st.num_blocks, st.prefix_hit_rate);
+    if (const std::string error = vroll::examples::StdoutError(); !error.empty()) {
+      return vroll::examples::ReportFatal(log, "vroll-offline", error);
+    }
   } catch (const std::exception& e) {
     return vroll::examples::ReportFatal(log, "vroll-offline", e);
   }

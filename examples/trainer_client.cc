@@ -35,6 +35,7 @@
 #include <vector>
 
 #include "examples/fatal_error.h"
+#include "examples/text_output.h"
 #include "examples/cli_checks.h"
 #include "policy/default_model.h"
 #include "policy/llama2c_loader.h"
@@ -105,7 +106,7 @@ void Perturb(vroll::policy::WeightMap& weights, double std, uint64_t seed) {
 std::string Continuation(const vroll::policy::Tokenizer& tokenizer, TokenId prev, const std::vector<TokenId>& ids) {
   std::string text;
   for (TokenId t : ids) {
-    text += tokenizer.DecodePiece(prev, t);
+    text += vroll::examples::SafePiece(tokenizer.DecodePiece(prev, t));  // no raw control bytes
     prev = t;
   }
   std::string escaped;
@@ -250,6 +251,19 @@ int main(int argc, char** argv) {
       options.curve_public_key = vroll::transport::CurvePublicKey(options.curve_secret_key, secret_key_path);
     }
     client.Connect(endpoint, options);
+    // --shutdown-worker holds on every way out after the connect, a refused push included.
+    struct ShutdownAtExit {
+      vroll::transport::Client& client;
+      bool enabled;
+      ~ShutdownAtExit() {
+        if (!enabled) return;
+        try {
+          client.Shutdown();
+        } catch (const std::exception& e) {
+          vroll::Logger("examples").warn("--shutdown-worker: the worker did not acknowledge: {}", e.what());
+        }
+      }
+    } shutdown_at_exit{client, shutdown_worker};
     const vroll::transport::HealthMsg health = client.Health();
     std::printf("worker %s: ok %s, policy version %llu, model vocab %d, dim %d, %d layers, context %d\n",
                 endpoint.c_str(), health.ok ? "true" : "false", static_cast<unsigned long long>(health.policy_version),
@@ -321,7 +335,6 @@ int main(int argc, char** argv) {
     const int num_errors = problems[0].num_errors + problems[1].num_errors;
 
     const int num_samples = 2 * static_cast<int>(prompts.size()) * n;
-    if (shutdown_worker) client.Shutdown();
     if (num_mismatched > 0) {
       return vroll::examples::ReportFatal(
           log, "vroll-trainer-example",

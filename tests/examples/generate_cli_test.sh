@@ -92,4 +92,15 @@ if [ -n "$CONVERT" ]; then
     { echo "--shard-mb 1e-9 wrote one file:"; ls "$hf/tiny"; rm -rf "$hf"; exit 1; }
   rm -rf "$hf"
 fi
+# Output lost (>/dev/full) is an error, not exit 0; a device this build cannot run is named in one
+# line, not LibTorch's dispatcher text (helper-76).
+gen_err=$(mktemp)
+if VROLL_LOG_LEVEL=warn "$BIN" --max-new-tokens 5 >/dev/full 2>"$gen_err"; then echo ">/dev/full: exit 0"; rm -f "$gen_err"; exit 1; fi
+grep -q "writing the output to stdout failed" "$gen_err" || { echo ">/dev/full:"; cat "$gen_err"; rm -f "$gen_err"; exit 1; }
+for device in mps meta vulkan; do
+  VROLL_LOG_LEVEL=warn "$BIN" --device "$device" --max-new-tokens 2 >/dev/null 2>"$gen_err"; rc=$?
+  [ "$rc" -eq 2 ] && [ "$(wc -l < "$gen_err")" -eq 1 ] && grep -q -- "--device $device: not supported" "$gen_err" ||
+    { echo "--device $device: exit $rc, stderr:"; cat "$gen_err"; rm -f "$gen_err"; exit 1; }
+done
+rm -f "$gen_err"
 echo "vroll-generate matches the reference byte for byte"

@@ -138,6 +138,24 @@ grep -q "2 of 4 samples ended with an error; the first: v2-prompt0 #0: .*finite"
 [ "$(grep -c "^  error: .*finite" "$dir/errors-example.out")" -eq 2 ] || fail "errors: the samples' errors are not printed"
 echo "errors: 2 of 4 samples ended in an error (non-finite logits); reported, exit non-zero"
 
+# --shutdown-worker holds when the example fails after connecting (helper-76: only a successful
+# run asked the worker to exit): a worker serving stories260K, the example holding the default model.
+if [ -n "$SHARED" ] && [ -f "$SHARED/models/stories260K.bin" ]; then
+  "$WORKER" --endpoint "ipc://$dir/other.sock" --model "$SHARED/models/stories260K.bin" --kv-cache-mb 16 --threads 1 \
+    >"$dir/other-worker.out" 2>"$dir/other-worker.err" &
+  worker_pid=$!
+  if "$EXAMPLE" --endpoint "ipc://$dir/other.sock" --n 1 --max-new-tokens 4 --shutdown-worker \
+    >"$dir/other-example.out" 2>"$dir/other-example.err"; then
+    fail "other model: the example succeeded against a worker with another model"
+  fi
+  grep -q "does not have the shape" "$dir/other-example.err" || fail "other model: $(cat "$dir/other-example.err")"
+  for _ in $(seq 100); do kill -0 "$worker_pid" 2>/dev/null || break; sleep 0.1; done
+  kill -0 "$worker_pid" 2>/dev/null && fail "other model: the worker still runs after --shutdown-worker"
+  wait "$worker_pid" || fail "other model: vroll-worker exited with $? after --shutdown-worker"
+  worker_pid=""
+  echo "other model: refused, and the worker exited (--shutdown-worker)"
+fi
+
 if [ -n "$SHARED" ] && [ -f "$SHARED/models/stories260K.bin" ] && [ -f "$SHARED/models/tok512.bin" ]; then
   run_case stories260K --model "$SHARED/models/stories260K.bin" --tokenizer "$SHARED/models/tok512.bin"
 else
