@@ -157,11 +157,29 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--lr", type=float, help="Adam learning rate (default 3e-4 with --model, 3e-3 for the default model)")
     ap.add_argument("--clip", type=float, default=0.2, help="PPO ratio clip")
+    ap.add_argument("--temperature", type=float, default=1.0,
+                    help="sampling temperature; the trainer recomputes logprobs at the same one")
+    ap.add_argument("--max-logprob-gap", type=float, default=1e-2,
+                    help="stop when a step's largest |logp_rollout - logp_trainer| exceeds this (nats): the "
+                         "rollouts were not made by the weights the trainer holds for their version")
     ap.add_argument("--target-word", default="dog")
     ap.add_argument("--mode", default="drain", choices=["drain", "abort", "restart", "continue"])
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=os.path.join(REPO, "out", "grpo"))
     args = ap.parse_args()
+    for name, low in (("prompts_per_step", 1), ("n", 1), ("max_tokens", 1), ("workers", 1), ("max_steps", 1)):
+        if getattr(args, name) < low:
+            ap.error(f"--{name.replace('_', '-')} = {getattr(args, name)} must be >= {low}")
+    for name in ("minutes", "clip", "temperature", "max_logprob_gap"):
+        if not getattr(args, name) > 0:
+            ap.error(f"--{name.replace('_', '-')} = {getattr(args, name)} must be > 0")
+    if args.lr is not None and not args.lr > 0:
+        ap.error(f"--lr = {args.lr} must be > 0")
+    for name in ("model", "tokenizer"):
+        if getattr(args, name) and not os.path.isfile(getattr(args, name)):
+            ap.error(f"--{name} {getattr(args, name)}: no such file")
+    if not args.endpoints and not (os.path.isfile(args.worker_bin) and os.access(args.worker_bin, os.X_OK)):
+        ap.error(f"--worker-bin {args.worker_bin}: not an executable file (build vroll first: scripts/build.sh)")
     if bool(args.model) != bool(args.tokenizer):
         ap.error("--model and --tokenizer go together (neither: the embedded default model)")
     if bool(args.curve_server_key) != bool(args.curve_secret_key):
@@ -173,7 +191,11 @@ def main():
                  "(one for all, or one per endpoint)")
     if args.lr is None:
         args.lr = 3e-4 if args.model else 3e-3
-    os.makedirs(args.out, exist_ok=True)
+    try:
+        os.makedirs(args.out, exist_ok=True)
+        open(os.path.join(args.out, "steps.jsonl"), "a").close()
+    except OSError as e:
+        ap.error(f"--out {args.out}: {e}")
     torch.manual_seed(args.seed)
     random.seed(args.seed)
     torch.set_num_threads(1)  # leave the other core to the worker
@@ -197,6 +219,7 @@ def main():
     client = VrollClient(endpoints, timeout_s=120, **curve)
     log_path = os.path.join(args.out, "steps.jsonl")
     records = []
+    interrupted = False
     try:
         health = client.wait_ready(timeout_s=120)
         # Workers that already ran updates (of an earlier run) refuse a version that is not newer.
@@ -207,11 +230,17 @@ def main():
         print(f"[grpo] {len(endpoints)} worker(s) at {', '.join(endpoints)}; pushed initial weights as version "
               f"{version} ({time.time() - t_push:.2f} s); reward: {task.describe()}", flush=True)
         opt = torch.optim.Adam(model.parameters(), lr=args.lr)
-        sampling = SamplingParams(temperature=1.0, max_tokens=args.max_tokens)
+        # A sample ends at BOS (1: llama2.c story models start the next story with it) or EOS (2);
+        # vroll stops at no token unless listed. The stop token stays in the sample (trained on).
+        sampling = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, stop_token_ids=[1, 2])
         start = time.time()
         step = 0
         with open(log_path, "w") as log:
             while step < args.max_steps and time.time() - start < args.minutes * 60:
+                for i, p in enumerate(procs):  # a worker this script started and that died: say so now
+                    if p.poll() is not None:
+                        raise RuntimeError(f"worker {i} exited with status {p.returncode}; its log: "
+                                           f"{os.path.join(args.out, f'worker{i}.log')}")
                 prompts = random.sample(task.prompts, min(args.prompts_per_step, len(task.prompts)))
                 t0 = time.time()
                 outs = client.generate(prompts, sampling, n=args.n, min_policy_version=version)
@@ -220,6 +249,10 @@ def main():
                 for prompt, out in zip(prompts, outs):
                     assert len(out.outputs) == args.n
                     for c in out.outputs:
+                        if c.finish_reason not in ("stop", "length") or len(c.logprobs) != len(c.token_ids):
+                            raise RuntimeError(f"a sample of prompt {out.prompt_index} ended {c.finish_reason!r} "
+                                               f"({len(c.token_ids)} tokens, {len(c.logprobs)} logprobs): "
+                                               f"{getattr(c, 'error', '') or 'no error message'}")
                         wrong_tags += int(c.policy_version != version or any(s[2] != version for s in c.version_spans))
                         seqs.append(prompt + list(c.token_ids))
                         prompt_lens.append(len(prompt))
@@ -229,13 +262,19 @@ def main():
                     raise RuntimeError(f"{wrong_tags} samples are not tagged with version {version}")
                 adv = torch.tensor(grpo_advantages(rewards, args.n))
                 t1 = time.time()
-                logp, mask = model.token_logprobs(seqs, prompt_lens)
+                logp, mask = model.token_logprobs(seqs, prompt_lens, temperature=args.temperature)
                 rollout = torch.zeros_like(logp)
                 for b, lp in enumerate(roll_logps):
                     rollout[b, : len(lp)] = torch.tensor(lp)
                 gap = ((logp.detach() - rollout).abs() * mask)
                 ratio = torch.exp(logp - rollout) * mask
+                if float(gap.max()) > args.max_logprob_gap:
+                    raise RuntimeError(
+                        f"step {step}: largest logprob gap {float(gap.max()):.3g} > --max-logprob-gap "
+                        f"{args.max_logprob_gap:g}: the rollouts of version {version} were not made by the weights "
+                        "the trainer holds for it (a push not applied, a temperature mismatch, stale KV)")
                 per_token = -torch.min(ratio * adv[:, None], ratio.clamp(1 - args.clip, 1 + args.clip) * adv[:, None])
+                clipped = ((ratio - 1).abs() > args.clip) & (mask > 0)
                 loss = ((per_token * mask).sum(1) / mask.sum(1).clamp(min=1)).mean()
                 opt.zero_grad()
                 loss.backward()
@@ -255,6 +294,7 @@ def main():
                     "logprob_gap_mean": float(gap.sum() / mask.sum()),
                     "logprob_gap_max": float(gap.max()),
                     "loss": float(loss),
+                    "clip_fraction": float(clipped.sum() / mask.sum()),
                     "samples": len(seqs),
                     "generated_tokens": int(mask.sum()),
                     "rollout_s": t_rollout,
@@ -271,7 +311,13 @@ def main():
                       f"{rec['generated_tokens'] / t_rollout:6.0f} tok/s  rollout {t_rollout:.2f}s "
                       f"train {t_train:.2f}s push {t_push:.2f}s", flush=True)
                 step += 1
-        if records:
+    except KeyboardInterrupt:
+        print(f"[grpo] interrupted after {len(records)} steps", flush=True)
+        interrupted = True
+    finally:
+        for p in procs:
+            stop_worker(p)
+        if records:  # also after an error or Ctrl-C: the steps done so far
             k = max(1, len(records) // 5)
             first = sum(r["reward_mean"] for r in records[:k]) / k
             last = sum(r["reward_mean"] for r in records[-k:]) / k
@@ -281,9 +327,8 @@ def main():
             print(f"[grpo] log: {log_path}", flush=True)
             for p in paths:
                 print(f"[grpo] plot: {p}", flush=True)
-    finally:
-        for p in procs:
-            stop_worker(p)
+    if interrupted:
+        sys.exit(130)
 
 
 if __name__ == "__main__":

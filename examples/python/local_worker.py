@@ -16,6 +16,8 @@ class WorkerStartError(RuntimeError):
 
 
 def _tail(path, limit=4000):
+    if path == os.devnull:
+        return "(discarded: pass log_path= to keep the worker's log)"
     try:
         with open(path, errors="replace") as f:
             return f.read()[-limit:]
