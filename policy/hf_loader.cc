@@ -17,6 +17,8 @@
 #include <utility>
 #include <vector>
 
+#include <unistd.h>
+
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
@@ -935,20 +937,41 @@ void SaveHfCheckpoint(const Checkpoint& checkpoint, const std::string& dir, cons
   std::error_code error;
   fs::create_directories(dir, error);
   if (error) throw std::runtime_error(fmt::format("{}: cannot create directory: {}", dir, error.message()));
+  // Everything is written into a staging folder inside `dir` first, and moved into place (renames
+  // within one file system) only once all of it is written: a save that fails (a full disk, a
+  // file size limit) leaves an earlier save as it was (helper-76: it was removed first, and the
+  // failed save left orphan shards beside nothing loadable).
+  const std::string staging = PathIn(dir, fmt::format(".vroll-save-{}", ::getpid()));
+  fs::remove_all(staging, error);
+  fs::create_directory(staging, error);
+  if (error) throw std::runtime_error(fmt::format("{}: cannot create directory: {}", staging, error.message()));
+  try {
+    WriteTextFile(PathIn(staging, kConfigFile), ConfigJson(config, options.dtype).dump(2) + "\n");
+    if (shards.size() == 1) {
+      WriteSafetensors(PathIn(staging, kWeightsFile), shards[0], options.dtype);
+    } else {
+      json weight_map = json::object();
+      for (size_t s = 0; s < shards.size(); ++s) {
+        const std::string shard = fmt::format("model-{:05d}-of-{:05d}.safetensors", s + 1, shards.size());
+        WriteSafetensors(PathIn(staging, shard), shards[s], options.dtype);
+        for (const auto& [name, tensor] : shards[s]) weight_map[name] = shard;
+      }
+      const json index = {{"metadata", {{"total_size", total_bytes}}}, {"weight_map", weight_map}};
+      WriteTextFile(PathIn(staging, kIndexFile), index.dump(2) + "\n");
+    }
+  } catch (...) {
+    fs::remove_all(staging, error);
+    throw;
+  }
   RemoveEarlierSave(dir);
-  WriteTextFile(PathIn(dir, kConfigFile), ConfigJson(config, options.dtype).dump(2) + "\n");
-  if (shards.size() == 1) {
-    WriteSafetensors(PathIn(dir, kWeightsFile), shards[0], options.dtype);
-    return;
+  for (const auto& entry : fs::directory_iterator(staging)) {
+    fs::rename(entry.path(), fs::path(dir) / entry.path().filename(), error);
+    if (error) {
+      throw std::runtime_error(fmt::format("{}: cannot move {} into place: {}", dir, entry.path().string(),
+                                           error.message()));
+    }
   }
-  json weight_map = json::object();
-  for (size_t s = 0; s < shards.size(); ++s) {
-    const std::string shard = fmt::format("model-{:05d}-of-{:05d}.safetensors", s + 1, shards.size());
-    WriteSafetensors(PathIn(dir, shard), shards[s], options.dtype);
-    for (const auto& [name, tensor] : shards[s]) weight_map[name] = shard;
-  }
-  const json index = {{"metadata", {{"total_size", total_bytes}}}, {"weight_map", weight_map}};
-  WriteTextFile(PathIn(dir, kIndexFile), index.dump(2) + "\n");
+  fs::remove(staging, error);
 }
 
 Checkpoint PermuteForHalfSplitRope(const Checkpoint& checkpoint) {

@@ -90,9 +90,11 @@ struct HfSaveOptions {
 /// from_pretrained) reads: config.json (LlamaForCausalLM, or Qwen2ForCausalLM when
 /// attention_bias) and model.safetensors, or shards model-0000i-of-0000N.safetensors plus
 /// model.safetensors.index.json. Tensors are written in ExpectedWeightShapes order; a tied head
-/// is not written. Creates `dir` if needed and first removes what an earlier save there left
-/// (model.safetensors, model.safetensors.index.json, model-*-of-*.safetensors) so that a load
-/// can never mix two saves. With dtype kF32 a save/load round trip is bit-exact.
+/// is not written. Creates `dir` if needed. The files are written into a staging folder in
+/// `dir` (.vroll-save-PID) and moved into place only once all are written, replacing what an
+/// earlier save there left (model.safetensors, model.safetensors.index.json,
+/// model-*-of-*.safetensors) so that a load can never mix two saves; a save that fails while
+/// writing leaves the earlier one as it was. With dtype kF32 a save/load round trip is bit-exact.
 /// Throws ConfigError, before writing anything, for a weight that rounds to inf in the 16-bit
 /// dtype asked for (naming the tensor and element), and if the config is invalid or not
 /// representable (rope_layout must be

@@ -24,6 +24,10 @@
 #include <c10/core/InferenceMode.h>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
+#include <sys/resource.h>
+
+#include <csignal>
+
 #include <gtest/gtest.h>
 #include <spdlog/sinks/ostream_sink.h>
 
@@ -450,6 +454,41 @@ TEST_F(HfLoaderTest, SaveReplacesAnEarlierSaveInTheSameDirectory) {
   std::sort(names.begin(), names.end());
   EXPECT_EQ(names, (std::vector<std::string>{"config.json", "model.safetensors", "notes.txt"}));
   EXPECT_TRUE(BitEqual(LoadHfCheckpoint(Dir()).weights, saved.weights));
+}
+
+// A save that fails while writing (here: the file size limit, as a full disk would) leaves the
+// earlier save in the directory as it was, and nothing of its own (helper-76: the earlier save
+// was removed first, and the failed one left orphan shards beside nothing loadable).
+TEST_F(HfLoaderTest, ASaveThatFailsWhileWritingLeavesTheEarlierSaveAsItWas) {
+  const Checkpoint earlier = SaveSmall();
+  const uint64_t earlier_bytes = fs::file_size(PathOf("model.safetensors"));
+  Checkpoint other = MakeRandomCheckpoint(SmallConfig(), 6, 0.3);
+  HfSaveOptions sharded;
+  sharded.max_shard_bytes = earlier_bytes / 8;  // several shards, the later ones over the limit
+  struct rlimit old_limit;
+  ASSERT_EQ(getrlimit(RLIMIT_FSIZE, &old_limit), 0);
+  void (*old_handler)(int) = std::signal(SIGXFSZ, SIG_IGN);  // a write past the limit fails (EFBIG)
+  struct rlimit limit = old_limit;
+  limit.rlim_cur = earlier_bytes / 4;
+  ASSERT_EQ(setrlimit(RLIMIT_FSIZE, &limit), 0);
+  bool threw = false;
+  try {
+    SaveHfCheckpoint(other, Dir(), HfSaveOptions{});  // one file larger than the limit
+  } catch (const std::runtime_error& e) {
+    threw = std::string(e.what()).find("write failed") != std::string::npos;
+  }
+  setrlimit(RLIMIT_FSIZE, &old_limit);
+  std::signal(SIGXFSZ, old_handler);
+  EXPECT_TRUE(threw);
+  std::vector<std::string> names;
+  for (const auto& entry : fs::directory_iterator(Dir())) names.push_back(entry.path().filename().string());
+  std::sort(names.begin(), names.end());
+  EXPECT_EQ(names, (std::vector<std::string>{"config.json", "model.safetensors"}));  // no staging folder left
+  EXPECT_TRUE(BitEqual(LoadHfCheckpoint(Dir()).weights, earlier.weights));
+  // Without the limit the same save replaces it, shards and all.
+  SaveHfCheckpoint(other, Dir(), sharded);
+  EXPECT_FALSE(fs::exists(PathOf("model.safetensors")));
+  EXPECT_TRUE(BitEqual(LoadHfCheckpoint(Dir()).weights, other.weights));
 }
 
 // A weight beyond float16's range is refused when saving as f16, before anything is written (a
