@@ -50,7 +50,11 @@ def start_workers(args):
     try:
         for i in range(args.workers):
             # A seed per worker: their samples differ from each other's, and the run is reproducible.
-            worker_args = ["--kv-cache-mb", "256", "--seed", str(args.seed * 1000 + i)]
+            # Blocks of 4 tokens: the prompts (3-8 tokens) then fill whole blocks, which the prefix
+            # cache would serve to the next step's samples of the same prompt if an update failed to
+            # invalidate it; the logprob gap would show that (with 16-token blocks nothing is ever
+            # cached, helper-79). Samples do not depend on the block size.
+            worker_args = ["--kv-cache-mb", "256", "--block-size", "4", "--seed", str(args.seed * 1000 + i)]
             if args.model:
                 worker_args += ["--model", args.model, "--tokenizer", args.tokenizer]
             log_path = os.path.join(args.out, f"worker{i}.log")
