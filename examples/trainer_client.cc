@@ -212,14 +212,20 @@ int main(int argc, char** argv) {
   app.add_option("--prompt", text_prompts, "prompt text (repeatable; needs a tokenizer: --tokenizer or no --model)");
   app.add_option("--prompt-ids", id_prompts, "prompt as comma-separated token ids (repeatable)");
   app.add_option("--n", n, "samples per prompt")->capture_default_str()->check(vroll::examples::IntAtLeast(1));
-  app.add_option("--max-new-tokens", sampling.max_new_tokens)->capture_default_str()->check(vroll::examples::IntAtLeast(1));
-  app.add_option("--temperature", sampling.temperature, "0 = greedy")->capture_default_str();
+  app.add_option("--max-new-tokens", sampling.max_new_tokens, "tokens generated per sample at most")
+      ->capture_default_str()
+      ->check(vroll::examples::IntAtLeast(1));
+  app.add_option("--temperature", sampling.temperature, "0 = greedy")
+      ->capture_default_str()
+      ->check(vroll::examples::NumberAtLeast(0));
   app.add_option("--perturb-std", perturb_std, "std of the noise added to every weight before the second push")
       ->capture_default_str()->check(vroll::examples::NumberAtLeast(0));
   app.add_option("--seed", seed, "request seeds are seed + prompt index; the noise is drawn from seed too")
       ->capture_default_str()
       ->check(vroll::examples::Uint64());
-  app.add_option("--timeout-ms", timeout_ms, "how long each call waits for a reply")->capture_default_str();
+  app.add_option("--timeout-ms", timeout_ms, "how long each call waits for a reply")
+      ->capture_default_str()
+      ->check(vroll::examples::IntAtLeast(1));
   app.add_flag("--shutdown-worker", shutdown_worker, "ask the worker to exit at the end");
   app.add_option("--curve-server-key", server_key_path,
                  "file with the worker's Z85 CURVE public key (vroll-keygen's NAME.pub; turns CURVE on)")
