@@ -557,6 +557,9 @@ void Engine::ApplyUpdate(PendingUpdate& u, UpdateResult ack) {
     spare_buffers_ = runner_->StagingBuffers();
     if (bound_staging_.lock().get() == u.staging) u.staging->UseValueBuffers(spare_buffers_);
   }
+  // Stored only now, once the new weights are in: other threads read version_ (health replies,
+  // min_policy_version checks) and must never see the new version beside the old weights
+  // (helper-78's mutation m07b, storing it first, is invisible to the engine thread itself).
   version_.store(new_version);
   kv_->Invalidate(new_version);
   ack.weights_checksum = runner_->WeightsChecksum();

@@ -617,6 +617,132 @@ TEST_F(PolicyVersionTest, ADrainCutShortByAPauseCountsEachInFlightSequenceOnceDr
   for (size_t i = 1; i < 3; ++i) EXPECT_EQ(results[i].policy_version, 1u) << results[i].request_id;  // restarted
 }
 
+TEST_F(PolicyVersionTest, ASampleEndingRightAfterAContinueUpdateKeepsTheVersionOfItsTokens) {
+  // helper-78's mutation m06 (policy_version taken from the engine at emit) survived every test.
+  // A sample requeued by a continue update whose first token under the new version is a stop
+  // token left out of the output holds only old-version tokens: it must say version 0, not 1.
+  const WeightMap v1 = Perturbed(base_, 9);
+  Request request = MakeRequest("c", Prompt(12, 401), 20);
+  request.seed = 5;
+  // Run 1 finds the first token under version 1 (seeded and batch invariant: run 2 draws it too).
+  auto run = [&](const Request& r, std::vector<SampleResult>* results) {
+    Engine e(base_, config_);
+    EXPECT_TRUE(e.Submit(r, [results](SampleResult s) { results->push_back(std::move(s)); }).ok());
+    for (int i = 0; i < 4; ++i) EXPECT_TRUE(e.Step());  // 4 tokens under version 0
+    EXPECT_TRUE(results->empty());
+    const UpdateResult ack = e.UpdateWeights(v1, 1, InFlightMode::kContinue);
+    EXPECT_TRUE(ack.ok) << ack.error;
+    EXPECT_EQ(ack.num_recomputed, 1);
+    while (e.Step()) {
+    }
+  };
+  std::vector<SampleResult> first;
+  run(request, &first);
+  ASSERT_EQ(first.size(), 1u);
+  ASSERT_EQ(first[0].version_spans.size(), 2u);
+  ASSERT_EQ(first[0].version_spans[0], (VersionSpan{0, 4, 0}));
+  const std::vector<TokenId> old_tokens(first[0].output_ids.begin(), first[0].output_ids.begin() + 4);
+  const TokenId first_under_v1 = first[0].output_ids[4];
+  ASSERT_EQ(std::count(old_tokens.begin(), old_tokens.end(), first_under_v1), 0) << "pick another seed";
+
+  request.sampling.stop_token_ids = {first_under_v1};
+  request.sampling.include_stop_token = false;
+  std::vector<SampleResult> second;
+  run(request, &second);
+  ASSERT_EQ(second.size(), 1u);
+  const SampleResult& r = second[0];
+  EXPECT_EQ(r.finish_reason, FinishReason::kStop);
+  EXPECT_EQ(r.output_ids, old_tokens);  // the stop token, drawn under version 1, left out
+  ASSERT_EQ(r.version_spans.size(), 1u);
+  EXPECT_EQ(r.version_spans[0], (VersionSpan{0, 4, 0}));
+  EXPECT_EQ(r.policy_version, 0u);
+}
+
+// helper-78's mutations m10c and m10e survived every test: abort and drain updates that act on
+// running sequences only, leaving a preempted one (admitted, back in the queue for recompute) to
+// resume under the new weights with its old-version tokens. No test had an update arrive while a
+// sequence was preempted. Here a KV cache of 12 blocks preempts one of four long samples first.
+class PolicyVersionPreemptedTest : public PolicyVersionTest,
+                                   public ::testing::WithParamInterface<InFlightMode> {};
+
+TEST_P(PolicyVersionPreemptedTest, AnUpdateTreatsAPreemptedSequenceAsInFlight) {
+  EngineConfig c = config_;
+  {
+    Engine sizing(base_, config_);  // bytes per block: the budget over its blocks
+    c.kv_cache_bytes = config_.kv_cache_bytes / sizing.stats().num_blocks * 12;
+  }
+  Engine e(base_, c);
+  ASSERT_EQ(e.stats().num_blocks, 12);
+  std::vector<SampleResult> results;
+  for (int i = 0; i < 4; ++i) {
+    ASSERT_TRUE(e.Submit(MakeRequest("q" + std::to_string(i), Prompt(8, 900 + i), 60),
+                         [&](SampleResult r) { results.push_back(std::move(r)); })
+                    .ok());
+  }
+  for (int i = 0; i < 400 && !(e.stats().num_preemptions > 0 && e.stats().num_waiting > 0); ++i) ASSERT_TRUE(e.Step());
+  ASSERT_GT(e.stats().num_preemptions, 0);
+  ASSERT_GT(e.stats().num_waiting, 0);  // the preempted sequence, its tokens so far kept
+  const int in_flight = e.stats().num_running + e.stats().num_waiting;
+  ASSERT_EQ(in_flight + static_cast<int>(results.size()), 4);
+  const WeightMap v1 = Perturbed(base_, 13);
+  const UpdateResult ack = e.UpdateWeights(v1, 1, GetParam());
+  ASSERT_TRUE(ack.ok) << ack.error;
+  while (e.Step()) {
+  }
+  ASSERT_EQ(results.size(), 4u);
+  int aborted = 0;
+  for (const SampleResult& r : results) {
+    ASSERT_LE(r.version_spans.size(), 1u) << r.request_id << ": tokens of two versions in a " << InFlightModeName(GetParam())
+                                          << " update";
+    aborted += r.finish_reason == FinishReason::kAborted;
+    if (r.version_spans.empty()) continue;
+    EXPECT_EQ(r.policy_version, 0u) << r.request_id;  // all were in flight: none starts under version 1
+    EXPECT_LE(MaxAbsDiff(r.logprobs, Recompute(base_, base_.weights, Prompt(8, 900 + std::stoi(r.request_id.substr(1))),
+                                               r.output_ids, 1.0)),
+              1e-4)
+        << r.request_id;
+  }
+  if (GetParam() == InFlightMode::kAbort) {
+    EXPECT_EQ(ack.num_aborted, in_flight);
+    EXPECT_EQ(aborted, in_flight);
+  } else {
+    EXPECT_EQ(ack.num_drained, in_flight);
+    EXPECT_EQ(aborted, 0);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Modes, PolicyVersionPreemptedTest,
+                         ::testing::Values(InFlightMode::kAbort, InFlightMode::kDrain),
+                         [](const ::testing::TestParamInfo<InFlightMode>& info) {
+                           return std::string(InFlightModeName(info.param));
+                         });
+
+// helper-78's mutation m10d survived every test: the prefix cache indexing a prompt's blocks up to
+// its allocated slots rather than its computed tokens, so that a prompt aborted between prefill
+// chunks left blocks of unwritten KV for the next request of the same prompt.
+TEST_F(PolicyVersionTest, APromptAbortedBetweenPrefillChunksCachesOnlyTheKvItComputed) {
+  EngineConfig c = config_;
+  c.max_num_batched_tokens = 16;  // a 70-token prompt takes 5 steps to prefill
+  Engine e(base_, c);
+  std::vector<SampleResult> results;
+  auto collect = [&](SampleResult r) { results.push_back(std::move(r)); };
+  const std::vector<TokenId> prompt = Prompt(70, 77);
+  ASSERT_TRUE(e.Submit(MakeRequest("first", prompt, 4), collect).ok());
+  ASSERT_TRUE(e.Step());  // the first chunk: 16 tokens computed
+  ASSERT_EQ(e.stats().num_prefill_tokens, 16);
+  e.Abort("first");
+  while (e.Step()) {
+  }
+  ASSERT_TRUE(e.Submit(MakeRequest("second", prompt, 6), collect).ok());
+  while (e.Step()) {
+  }
+  ASSERT_EQ(results.size(), 2u);
+  const SampleResult& r = results[1];
+  EXPECT_LE(r.num_cached_prompt_tokens, 16);
+  ASSERT_EQ(r.output_ids.size(), 6u);
+  EXPECT_LE(MaxAbsDiff(r.logprobs, Recompute(base_, base_.weights, prompt, r.output_ids, 1.0)), 1e-4);
+}
+
 long ResidentKiB() {
   std::ifstream statm("/proc/self/statm");
   long pages_total = 0, pages_resident = 0;
