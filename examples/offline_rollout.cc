@@ -67,7 +67,8 @@ int main(int argc, char** argv) {
   app.add_option("--jsonl", jsonl_path,
                  "also write every sample to this file as it finishes, one JSON object per line: request_id, "
                  "prompt_index, sample_index, prompt, prompt_ids, output_ids, logprobs (per output token, "
-                 "log_softmax(logits / temperature)), text, policy_version, version_spans, finish_reason, error, "
+                 "log_softmax(logits / temperature); at temperature 0 log_softmax(logits)), text, policy_version, "
+                 "version_spans, finish_reason, error, "
                  "num_prompt_tokens, num_cached_prompt_tokens");
   CLI11_PARSE(app, argc, argv);
   auto& log = vroll::Logger("examples");
@@ -86,11 +87,8 @@ int main(int argc, char** argv) {
     vroll::rollout::EngineConfig engine_config;
     engine_config.kv_cache_dtype = vroll::cache::ParseKvCacheDtype(kv_cache_dtype);
     engine_config.block_size = block_size;
-    std::ofstream jsonl;
-    if (!jsonl_path.empty()) {
-      jsonl.open(jsonl_path, std::ios::out | std::ios::trunc);
-      if (!jsonl) throw std::runtime_error(fmt::format("--jsonl {}: cannot open it for writing", jsonl_path));
-    }
+    std::ofstream jsonl;  // opened once every request is accepted: a refused one leaves the file as it was
+    bool jsonl_failed = false;
     vroll::rollout::Engine engine(ckpt, engine_config);
     std::vector<vroll::rollout::Request> requests;
     for (size_t i = 0; i < prompts.size(); ++i) {
@@ -119,9 +117,9 @@ int main(int argc, char** argv) {
       std::printf("[%s #%d] v%llu %zu tokens, mean logprob %.3f, %s, cached prompt tokens %d\n  %s%s\n",
                   s.request_id.c_str(), s.sample_index, static_cast<unsigned long long>(s.policy_version),
                   s.output_ids.size(), mean_logprob, vroll::rollout::FinishReasonName(s.finish_reason),
-                  s.num_cached_prompt_tokens, prompts[i].c_str(), shown.c_str());
+                  s.num_cached_prompt_tokens, vroll::examples::SafeText(prompts[i]).c_str(), shown.c_str());
       std::fflush(stdout);
-      if (!jsonl.is_open()) return;
+      if (!jsonl.is_open() || jsonl_failed) return;
       nlohmann::json spans = nlohmann::json::array();
       for (const vroll::rollout::VersionSpan& v : s.version_spans) {
         spans.push_back({{"begin", v.begin}, {"end", v.end}, {"version", v.version}});
@@ -135,13 +133,21 @@ int main(int argc, char** argv) {
       // Invalid UTF-8 (a byte-level model's raw bytes) becomes U+FFFD rather than an exception.
       jsonl << line.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) << '\n';
       jsonl.flush();
-      if (!jsonl) throw std::runtime_error(fmt::format("--jsonl {}: writing failed", jsonl_path));
+      jsonl_failed = !jsonl;  // reported after the run (an exception here would be the engine's to swallow)
     };
     for (size_t i = 0; i < requests.size(); ++i) {
       const vroll::rollout::SubmitStatus st = engine.Submit(
           requests[i], [&on_result, i](vroll::rollout::SampleResult s) { on_result(i, s); });
       if (!st.ok()) throw std::invalid_argument(fmt::format("prompt {}: {}", i, st.error));
     }
+    if (!jsonl_path.empty()) {
+      jsonl.open(jsonl_path, std::ios::out | std::ios::trunc);
+      if (!jsonl) throw std::runtime_error(fmt::format("--jsonl {}: cannot open it for writing", jsonl_path));
+    }
+    auto output_error = [&]() -> std::string {
+      if (jsonl_failed) return fmt::format("--jsonl {}: writing failed (the file is incomplete)", jsonl_path);
+      return vroll::examples::StdoutError();
+    };
     std::signal(SIGINT, OnSigint);
     while (!g_interrupted && engine.Step()) {
     }
@@ -151,7 +157,7 @@ int main(int argc, char** argv) {
       for (const vroll::rollout::Request& r : requests) engine.Abort(r.request_id);
       while (engine.Step()) {  // emits each aborted sample through on_result
       }
-      if (const std::string error = vroll::examples::StdoutError(); !error.empty()) {
+      if (const std::string error = output_error(); !error.empty()) {
         return vroll::examples::ReportFatal(log, "vroll-offline", error);
       }
       return vroll::examples::ReportFatal(
@@ -168,7 +174,7 @@ int main(int argc, char** argv) {
                 static_cast<long long>(st.num_steps), static_cast<long long>(st.num_prefill_tokens),
                 static_cast<long long>(st.num_generated_tokens), st.tokens_per_second, st.peak_used_blocks,
                 st.num_blocks, st.prefix_hit_rate);
-    if (const std::string error = vroll::examples::StdoutError(); !error.empty()) {
+    if (const std::string error = output_error(); !error.empty()) {
       return vroll::examples::ReportFatal(log, "vroll-offline", error);
     }
   } catch (const std::exception& e) {

@@ -22,6 +22,17 @@ inline std::string SafePiece(const std::string& piece) {
   return piece;
 }
 
+/// `text` with its control bytes (below 0x20 but tab and newline, and 0x7f) left out: user input
+/// such as a prompt echoed to the terminal. UTF-8 multi-byte characters are kept.
+inline std::string SafeText(const std::string& text) {
+  std::string out;
+  for (char ch : text) {
+    const unsigned char c = static_cast<unsigned char>(ch);
+    if ((c >= 0x20 && c != 0x7f) || c == '\t' || c == '\n') out += ch;
+  }
+  return out;
+}
+
 /// Flushes stdout. Returns an empty string when everything written to it went out, else why not
 /// (e.g. "No space left on device" for >/dev/full): a program whose output was lost must not exit 0.
 inline std::string StdoutError() {

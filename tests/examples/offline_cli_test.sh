@@ -73,6 +73,11 @@ for s in lines:
 EOF
 if VROLL_LOG_LEVEL=warn "$BIN" --n 1 --max-new-tokens 2 >/dev/full 2>"$err"; then echo ">/dev/full: exit 0"; exit 1; fi
 grep -q "writing the output to stdout failed" "$err" || { echo ">/dev/full: no error said:"; cat "$err"; exit 1; }
+# The same for the --jsonl file (helper-80: the engine swallowed the callback's exception, exit 0).
+if VROLL_LOG_LEVEL=warn "$BIN" --n 2 --max-new-tokens 2 --jsonl /dev/full >/dev/null 2>"$err"; then
+  echo "--jsonl /dev/full: exit 0"; exit 1
+fi
+grep -q -- "--jsonl /dev/full: writing failed" "$err" || { echo "--jsonl /dev/full:"; cat "$err"; exit 1; }
 # Ctrl-C: the samples finished so far are kept, the others end aborted with their tokens so far
 # (every sample printed and in the --jsonl file once), exit 130.
 prompts=(); for i in $(seq 8); do prompts+=(--prompt "p$i"); done
