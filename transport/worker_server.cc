@@ -324,6 +324,7 @@ struct WorkerServer::Impl {
     std::string owner;      // the peer that began it (probed when another peer wants to begin)
     std::string begin_id;   // the id of its update_begin (the shutdown notice carries it)
     policy::UpdateManifest manifest;  // as begun: a repeated identical begin is a retry
+    std::optional<PolicyVersion> base_version;  // as begun (part of the retry check)
     // Set when update_timeout_ms has passed: the update is aborted only if no message of it has
     // come by then (kTimeoutConfirmMs later), so a worker stopped past its deadline (a VM pause,
     // SIGSTOP) first receives what its trainer sent meanwhile.
@@ -1080,7 +1081,8 @@ struct WorkerServer::Impl {
         return;
       }
       if (update->phase == OpenUpdate::Phase::kStaging && update->owner == peer && update->update_id == m.update_id &&
-          update->mode == m.mode && SameManifest(update->manifest, m.manifest)) {
+          update->mode == m.mode && update->base_version == m.base_version &&
+          SameManifest(update->manifest, m.manifest)) {
         // A retry of the begin (the trainer missed its ack): acknowledged again, and the update
         // goes on as it is, with the chunks it has received.
         update->last_message = Clock::now();
@@ -1137,6 +1139,7 @@ struct WorkerServer::Impl {
     u.mode = m.mode;
     u.version = m.manifest.version;
     u.manifest = m.manifest;
+    u.base_version = m.base_version;
     u.last_message = Clock::now();
     update = std::move(u);
     log.info("update '{}' begun by peer {}: version {} -> {}, {} tensors, mode {}", m.update_id, Hex(peer), current,

@@ -750,6 +750,23 @@ class PushWeightsTest(FakeWorkerTestCase):
         with self.assertRaises(ValueError):
             self.client.push_weights(weights, version=5, partial=True, base_version=5)
 
+    def test_silent_workers_fail_a_partial_push_at_begin_within_one_timeout(self):
+        # helper-80: the health check before a partial push asked one worker at a time, so k
+        # silent workers took k x timeout_s (16 minutes for 8 at the default 120 s).
+        for w in self.workers:
+            w.silent_health = True
+        self.client.timeout_s = 1.5
+        started = time.monotonic()
+        with self.assertRaises(WeightUpdateError) as cm:
+            self.client.push_weights({"model.norm.weight": torch.full((8,), 2.0)}, version=1, partial=True)
+        self.assertLess(time.monotonic() - started, 2.5)
+        self.assertEqual(cm.exception.phase, "begin")
+        self.assertEqual(list(cm.exception.failures), [self.workers[0].endpoint])
+        self.assertIsInstance(cm.exception.failures[self.workers[0].endpoint], VrollTimeoutError)
+        for w in self.workers:
+            self.assertNotIn("update_begin", w.types())
+            w.silent_health = False
+
     def test_workers_whose_weights_differ_after_a_partial_push_fail_its_checksum_phase(self):
         self.workers[0].bad_checksum = True
         with self.assertRaises(WeightUpdateError) as cm:

@@ -1155,7 +1155,10 @@ class VrollClient:
             ``version`` (nothing sent) when they differ, e.g. after a worker restarted from
             its initial weights: bring it up to date with ensure_weights and the full weights
             first. A partial update pushed to workers that all restarted would apply on top of
-            their initial weights: pass base_version to rule that out.
+            their initial weights: pass base_version to rule that out. After a phase
+            ``checksum`` failure of a partial update the workers run the same version number
+            with different weights, which ensure_weights (it compares versions) cannot see:
+            push the full weights as a new version.
         Returns:
           list[UpdateAck] with stage ``applied``, version == ``version`` and (full updates)
           weights_checksum == weights_checksum(named_tensors); for a worker whose model ties
@@ -1373,18 +1376,13 @@ class VrollClient:
 
     def _health_for_update(self, workers: Sequence[_Worker], version: int,
                            update_id: str) -> Dict[str, Dict[str, Any]]:
-        """Each worker's health reply, for push_weights' checks before anything is sent; a
-        worker that does not answer fails the update in phase ``begin`` (nothing was sent)."""
-        replies: Dict[str, Dict[str, Any]] = {}
-        failures: Dict[str, Exception] = {}
-        for w in workers:
-            try:
-                replies[w.endpoint] = self.health([w.endpoint])[w.endpoint]
-            except (WorkerError, VrollTimeoutError) as exc:
-                failures[w.endpoint] = exc
-        if failures:
-            raise WeightUpdateError(version, update_id, "begin", failures)
-        return replies
+        """Each worker's health reply, for push_weights' checks before anything is sent (one
+        round, all workers at once: at most timeout_s however many are silent); a worker that
+        does not answer fails the update in phase ``begin``, naming it (nothing was sent)."""
+        try:
+            return self.health([w.endpoint for w in workers])
+        except (WorkerError, VrollTimeoutError) as exc:
+            raise WeightUpdateError(version, update_id, "begin", {exc.worker: exc}) from None
 
     @staticmethod
     def _common_version(health: Mapping[str, Mapping[str, Any]], version: int, update_id: str) -> int:
