@@ -17,7 +17,11 @@
 #include <utility>
 #include <vector>
 
+#include <signal.h>
 #include <unistd.h>
+
+#include <cerrno>
+#include <cstdlib>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -941,6 +945,17 @@ void SaveHfCheckpoint(const Checkpoint& checkpoint, const std::string& dir, cons
   // within one file system) only once all of it is written: a save that fails (a full disk, a
   // file size limit) leaves an earlier save as it was (helper-76: it was removed first, and the
   // failed save left orphan shards beside nothing loadable).
+  // Staging folders of saves that died (a signal, kill -9) go first: their PID runs no longer.
+  for (const auto& entry : fs::directory_iterator(dir, error)) {
+    const std::string name = entry.path().filename().string();
+    if (name.rfind(".vroll-save-", 0) != 0) continue;
+    char* end = nullptr;
+    const long pid = std::strtol(name.c_str() + 12, &end, 10);
+    if (pid > 0 && *end == '\0' && ::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH) {
+      std::error_code ignored;
+      fs::remove_all(entry.path(), ignored);
+    }
+  }
   const std::string staging = PathIn(dir, fmt::format(".vroll-save-{}", ::getpid()));
   fs::remove_all(staging, error);
   fs::create_directory(staging, error);

@@ -94,7 +94,9 @@ struct HfSaveOptions {
 /// `dir` (.vroll-save-PID) and moved into place only once all are written, replacing what an
 /// earlier save there left (model.safetensors, model.safetensors.index.json,
 /// model-*-of-*.safetensors) so that a load can never mix two saves; a save that fails while
-/// writing leaves the earlier one as it was. With dtype kF32 a save/load round trip is bit-exact.
+/// writing leaves the earlier one as it was (staging folders of saves that died are removed by
+/// the next save). One writer per directory at a time: two concurrent saves into the same `dir`
+/// may mix their files. With dtype kF32 a save/load round trip is bit-exact.
 /// Throws ConfigError, before writing anything, for a weight that rounds to inf in the 16-bit
 /// dtype asked for (naming the tensor and element), and if the config is invalid or not
 /// representable (rope_layout must be

@@ -24,7 +24,10 @@
 #include <c10/core/InferenceMode.h>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
+#include <signal.h>
 #include <sys/resource.h>
+
+#include <cerrno>
 
 #include <csignal>
 
@@ -489,6 +492,26 @@ TEST_F(HfLoaderTest, ASaveThatFailsWhileWritingLeavesTheEarlierSaveAsItWas) {
   SaveHfCheckpoint(other, Dir(), sharded);
   EXPECT_FALSE(fs::exists(PathOf("model.safetensors")));
   EXPECT_TRUE(BitEqual(LoadHfCheckpoint(Dir()).weights, other.weights));
+}
+
+// A save killed by a signal cannot clean up its staging folder (helper-80: each left one, GBs with
+// real models): the next save removes the folders of processes that no longer run, and only those.
+TEST_F(HfLoaderTest, ASaveRemovesTheStagingFoldersOfSavesThatDied) {
+  pid_t dead = 0;
+  for (pid_t pid = 4'000'000; pid > 3'000'000 && dead == 0; --pid) {
+    if (::kill(pid, 0) != 0 && errno == ESRCH) dead = pid;
+  }
+  ASSERT_NE(dead, 0);
+  const std::string died = PathOf(".vroll-save-" + std::to_string(dead));
+  const std::string alive = PathOf(".vroll-save-1");  // init runs: another save in progress, for all we know
+  for (const std::string& folder : {died, alive}) {
+    fs::create_directory(folder);
+    WriteBytes(folder + "/model.safetensors", "partial");
+  }
+  const Checkpoint saved = SaveSmall();
+  EXPECT_FALSE(fs::exists(died));
+  EXPECT_TRUE(fs::exists(alive));
+  EXPECT_TRUE(BitEqual(LoadHfCheckpoint(Dir()).weights, saved.weights));
 }
 
 // A weight beyond float16's range is refused when saving as f16, before anything is written (a
