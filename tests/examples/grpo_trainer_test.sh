@@ -46,7 +46,7 @@ check_run default
 check_run temp
 
 # Bad settings are argument errors naming the option (helper-76: tracebacks from deep inside).
-for case in "--prompts-per-step|0" "--n|0" "--max-tokens|0" "--lr|-1" "--temperature|0" "--worker-bin|$dir/none"; do
+for case in "--prompts-per-step|0" "--n|0" "--max-tokens|0" "--lr|-1" "--temperature|0" "--temperature|1e-6" "--worker-bin|$dir/none"; do
   opt="${case%%|*}"
   if /usr/bin/python3 "$TRAINER" "$opt" "${case#*|}" --out "$dir/bad" >/dev/null 2>"$dir/bad.err"; then
     fail "$opt ${case#*|} accepted"
