@@ -121,12 +121,19 @@ int main(int argc, char** argv) {
   app.add_flag("--no-spare-weights", no_spare_weights,
                "apply weight updates in place (copy, then repack at the engine's safe point): the weights take "
                "2x their fp32 size instead of 4x, and each update stalls generation for about one pass over them");
+  bool no_check_block_versions = false;
+  app.add_flag("--no-check-block-versions", no_check_block_versions,
+               "skip the check, each step, that every KV block it attends over was computed under the step's "
+               "policy version. On by default: a stale block, which would silently poison training, aborts the "
+               "worker naming it instead (a bug of vroll's if it ever happens); it costs a pass over the block "
+               "tables per step");
   bool no_micro_batches = false;
   app.add_flag("--no-micro-batches", no_micro_batches,
                "run every step as one batch, each operation shared out over the threads, instead of one run of "
                "sequences per thread through all layers (same outputs bit for bit; for comparison)");
   CLI11_PARSE(app, argc, argv);
   engine_config.micro_batches = !no_micro_batches;
+  engine_config.check_block_versions = !no_check_block_versions;
   if (no_spare_weights) {
     engine_config.swap_weight_buffers = false;
     engine_config.prepack_weights = false;

@@ -141,11 +141,12 @@ Engine::Engine(const policy::Checkpoint& checkpoint, const EngineConfig& config)
   PublishStats();
   Logger("rollout").info(
       "engine: {} KV blocks x {} tokens ({:.1f} MiB of {}, {:.1f} MiB of it on huge pages), max_num_seqs {}, "
-      "max_num_batched_tokens {}, max_pending_requests {}, prefix caching {}, micro-batches {}; weight updates {}",
+      "max_num_batched_tokens {}, max_pending_requests {}, prefix caching {}, micro-batches {}, KV block version "
+      "check {}; weight updates {}",
       num_blocks, config_.block_size, num_blocks * bytes_per_block / 1048576.0,
       cache::KvCacheDtypeName(config_.kv_cache_dtype), runner_->kv_huge_page_bytes() / 1048576.0, config_.max_num_seqs,
       config_.max_num_batched_tokens, config_.max_pending_requests, config_.enable_prefix_caching ? "on" : "off",
-      config_.micro_batches ? "on" : "off",
+      config_.micro_batches ? "on" : "off", config_.check_block_versions ? "on" : "off",
       !config_.swap_weight_buffers ? "applied in place (copy + repack at the safe point)"
       : config_.prepack_weights    ? "staged in spare buffers, packed while staged, swapped"
                                    : "staged in spare buffers, swapped, repacked at the safe point");

@@ -44,7 +44,7 @@ struct EngineConfig {
   /// Requests accepted but not finished, at most; beyond it Submit answers "overloaded".
   int max_pending_requests = 4096;
   uint64_t seed = 0;  ///< draws the seeds of requests that carry none
-  bool check_block_versions = false;  ///< see ModelRunnerConfig; on in tests
+  bool check_block_versions = false;  ///< see ModelRunnerConfig; on in tests and in vroll-worker
   /// Bitwise batch-invariant outputs (policy::ModelOptions::batch_invariant): every GEMM runs on
   /// at least 32 rows. Off, single-sequence steps of large-vocabulary models are faster, and a
   /// sample's logits may differ in the last bits depending on what else is in the step.

@@ -141,4 +141,15 @@ rc=0
 wait "$int_pid" || rc=$?
 [ "$rc" -eq 130 ] || fail "SIGINT during start-up: exit code $rc, want 130"
 grep -q "stopped by a signal during start-up" "$dir/int.err" || fail "SIGINT during start-up: no word of it"
+# The KV block version check is on in the worker unless --no-check-block-versions (the engine's
+# config line says which).
+for flag in "" --no-check-block-versions; do
+  want=on; [ -n "$flag" ] && want=off
+  "$WORKER" --endpoint "ipc://$dir/check$want.sock" --kv-cache-mb 8 $flag >/dev/null 2>"$dir/check$want.err" &
+  pid=$!
+  for _ in $(seq 300); do grep -q "KV block version check" "$dir/check$want.err" && break; sleep 0.1; done
+  kill "$pid" 2>/dev/null; wait "$pid" 2>/dev/null
+  grep -q "KV block version check $want" "$dir/check$want.err" ||
+    fail "${flag:-default}: no 'KV block version check $want': $(grep engine: "$dir/check$want.err")"
+done
 echo "PASS"
