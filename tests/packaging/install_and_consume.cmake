@@ -35,3 +35,15 @@ execute_process(COMMAND ${CMAKE_COMMAND} --build ${_build} --config ${CONFIG} CO
 
 message(STATUS "3. run the consumer")
 execute_process(COMMAND ${_build}/vroll_consumer COMMAND_ERROR_IS_FATAL ANY)
+execute_process(COMMAND ${_build}/vroll_engine_consumer COMMAND_ERROR_IS_FATAL ANY)
+
+message(STATUS "4. run the installed vroll-generate (the embedded default model)")
+if(EXISTS ${_prefix}/bin/vroll-generate)
+  execute_process(COMMAND ${_prefix}/bin/vroll-generate --max-new-tokens 4 --temperature 0
+    RESULT_VARIABLE _rc OUTPUT_VARIABLE _out ERROR_VARIABLE _err)
+  if(NOT _rc EQUAL 0)
+    message(FATAL_ERROR "the installed vroll-generate failed (${_rc}): ${_err}")
+  endif()
+else()
+  message(STATUS "no installed programs (VROLL_INSTALL without the examples)")
+endif()
