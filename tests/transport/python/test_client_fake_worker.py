@@ -873,6 +873,13 @@ class ControlTest(FakeWorkerTestCase):
             rc = cli_main(["health", self.workers[0].endpoint])
         self.assertEqual(rc, 0)
         self.assertEqual(list(json.loads(stdout.getvalue())), [self.workers[0].endpoint])
+        # Connection options after the command too (helper-74: a usage error); --endpoint adds.
+        stdout = io.StringIO()
+        with contextlib.redirect_stdout(stdout):
+            rc = cli_main(["--endpoint", self.workers[0].endpoint, "health", "--timeout-s", "2",
+                           "--endpoint", self.workers[1].endpoint])
+        self.assertEqual(rc, 0)
+        self.assertEqual(sorted(json.loads(stdout.getvalue())), sorted(w.endpoint for w in self.workers))
         stdout = io.StringIO()
         with contextlib.redirect_stdout(stdout):
             rc = cli_main(["--endpoint", self.workers[0].endpoint, "generate", "--prompt", "1,2",

@@ -56,25 +56,50 @@ def _prog() -> str:
     return name if name and not name.endswith(("__main__.py", ".py")) and name != "-c" else "python3 -m vroll_client"
 
 
+#: The connection options, taken before the command or after it (``health EP --timeout-s 1``).
+_CONNECTION_OPTIONS = ("endpoint", "timeout_s", "curve_server_key", "curve_secret_key")
+
+
+def _add_connection_options(p: argparse.ArgumentParser, suffix: str = "") -> None:
+    """The connection options; with `suffix` (a command's copy) they default to unset and are
+    stored under NAME + suffix, merged by _merge_connection_options."""
+    unset = {"default": argparse.SUPPRESS} if suffix else {}
+    p.add_argument("--endpoint", action="append", dest="endpoint" + suffix, metavar="ENDPOINT",
+                   **(unset or {"default": []}),
+                   help="worker endpoint (repeat for several); default tcp://127.0.0.1:5555")
+    p.add_argument("--timeout-s", type=float, dest="timeout_s" + suffix, metavar="SECONDS",
+                   **(unset or {"default": 30.0}),
+                   help="seconds a worker may stay silent while it owes a reply (default 30)")
+    p.add_argument("--curve-server-key", dest="curve_server_key" + suffix, metavar="KEY", **unset,
+                   help="the worker's CURVE public key: Z85 text, or @FILE (e.g. @worker.pub)")
+    p.add_argument("--curve-secret-key", dest="curve_secret_key" + suffix, metavar="KEY", **unset,
+                   help="this client's CURVE secret key: Z85 text, or @FILE (e.g. @trainer.key); "
+                        "its public key must be on the worker's allow-list")
+
+
+def _merge_connection_options(args: argparse.Namespace) -> None:
+    """Options given after the command win over (--endpoint: add to) those given before it."""
+    for name in _CONNECTION_OPTIONS:
+        after = getattr(args, name + "_after", None)
+        if after is None:
+            continue
+        setattr(args, name, getattr(args, name) + after if name == "endpoint" else after)
+        delattr(args, name + "_after")
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=_prog(), description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--endpoint", action="append", default=[],
-                   help="worker endpoint (repeat for several); default tcp://127.0.0.1:5555")
-    p.add_argument("--timeout-s", type=float, default=30.0,
-                   help="seconds a worker may stay silent while it owes a reply (default 30)")
-    p.add_argument("--curve-server-key",
-                   help="the worker's CURVE public key: Z85 text, or @FILE (e.g. @worker.pub)")
-    p.add_argument("--curve-secret-key",
-                   help="this client's CURVE secret key: Z85 text, or @FILE (e.g. @trainer.key); "
-                        "its public key must be on the worker's allow-list")
+    _add_connection_options(p)
+    connection = argparse.ArgumentParser(add_help=False)
+    _add_connection_options(connection, "_after")
     sub = p.add_subparsers(dest="command", required=True)
     for name in ("health", "stats", "flush-cache", "pause", "resume", "shutdown"):
-        c = sub.add_parser(name, help=f"send {name.replace('-', '_')} to every worker")
+        c = sub.add_parser(name, parents=[connection], help=f"send {name.replace('-', '_')} to every worker")
         c.add_argument("endpoints", nargs="*", metavar="ENDPOINT",
                        help="worker endpoints, as --endpoint (both may be given)")
     sub.add_parser("keygen", help="print a new CURVE key pair (no worker contacted)")
-    g = sub.add_parser("generate", help="generate samples and print one JSON line per prompt")
+    g = sub.add_parser("generate", parents=[connection], help="generate samples and print one JSON line per prompt")
     g.add_argument("--prompt", type=_token_list, action="append", required=True,
                    help="comma-separated token ids (repeat for several prompts)")
     g.add_argument("--n", type=int, default=1, help="samples per prompt")
@@ -121,6 +146,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 def _main(argv: Optional[List[str]]) -> int:
     args = _parser().parse_args(argv)
+    _merge_connection_options(args)
     if args.command == "keygen":
         public, secret = curve_keypair()
         print(json.dumps({"public": public, "secret": secret}))
