@@ -9,7 +9,9 @@ r"""Quick checks of running workers from a shell; prints JSON.
         --curve-server-key @worker.pub --curve-secret-key @trainer.key health
 
 --endpoint repeats for several workers; health, stats, flush-cache, pause, resume and shutdown
-also take them after the command (``health tcp://127.0.0.1:5555``). Exit status: 0 ok, 1 a worker error or timeout, 2 usage,
+also take them after the command (``health tcp://127.0.0.1:5555``), as do --endpoint, --timeout-s
+and the CURVE keys (after the endpoints: ``health EP --timeout-s 1``; given both before and after
+the command, after wins and --endpoint adds). Exit status: 0 ok, 1 a worker error or timeout, 2 usage,
 141 stdout closed early (e.g. piped into ``head``), quietly, as a command killed by SIGPIPE.
 Commands whose reply holds nothing (pause, resume, flush-cache, shutdown) print "ok" per worker.
 """
