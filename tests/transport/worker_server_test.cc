@@ -1462,7 +1462,9 @@ TEST(WorkerServerTest, ARepeatedBeginIsAcknowledgedAgainAndKeepsTheChunksReceive
   other_checksum.manifest.tensors.back().checksum ^= 1;
   UpdateBeginMsg other_partial = FullBegin("begin6", "u", weights, 1);
   other_partial.manifest.partial = true;
-  for (const UpdateBeginMsg* m : {&other_version, &other_mode, &other_checksum, &other_partial}) {
+  UpdateBeginMsg other_base = FullBegin("begin8", "u", weights, 1);  // begun without one
+  other_base.base_version = 0;
+  for (const UpdateBeginMsg* m : {&other_version, &other_mode, &other_checksum, &other_partial, &other_base}) {
     trainer->Send(*m);
     const ErrorMsg busy = NextAs<ErrorMsg>(*trainer);
     EXPECT_EQ(busy.id, m->id);
