@@ -63,11 +63,22 @@ std::string ListNames(const std::vector<std::string>& names) {
 // ---------------------------------------------------------------------------------------------
 // JSON.
 
+/// Deepest nesting of arrays and objects ParseJson accepts. config.json, safetensors headers and
+/// index files nest 3 or 4 levels; nlohmann's dump() (error messages, Show) recurses once per
+/// level, and a value 100,000 levels deep overflowed the stack (SIGSEGV) instead of a LoadError.
+constexpr int kMaxJsonDepth = 64;
+
 /// Parses `text` (the content of `what` in `path`), rejecting repeated keys in any object, which
-/// JSON libraries resolve differently (nlohmann keeps the last, others the first).
+/// JSON libraries resolve differently (nlohmann keeps the last, others the first), and nesting
+/// deeper than kMaxJsonDepth.
 json ParseJson(const std::string& text, const std::string& path, const std::string& what) {
   std::vector<std::set<std::string>> open_objects;  // keys seen, per object being parsed
-  const json::parser_callback_t reject_repeated_keys = [&](int, json::parse_event_t event, json& parsed) {
+  const json::parser_callback_t reject_repeated_keys = [&](int depth, json::parse_event_t event, json& parsed) {
+    if ((event == json::parse_event_t::object_start || event == json::parse_event_t::array_start) &&
+        depth >= kMaxJsonDepth) {
+      throw LoadError(fmt::format("{}: {} nests arrays and objects more than {} levels deep", path, what,
+                                  kMaxJsonDepth));
+    }
     if (event == json::parse_event_t::object_start) {
       open_objects.emplace_back();
     } else if (event == json::parse_event_t::object_end) {

@@ -170,6 +170,7 @@ Checkpoint LoadLlama2cCheckpoint(const std::string& path) {
     }
   }
   if (!in) throw LoadError(fmt::format("{}: read failed (did the file change?)", path));
+  ValidateWeights(config, checkpoint.weights, path);  // a NaN or inf named with this file
   Logger("policy").info("loaded llama2.c checkpoint {}: {} ({} parameters)", path, config.ToString(),
                         config.NumParameters());
   return checkpoint;

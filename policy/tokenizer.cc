@@ -3,6 +3,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <iterator>
 #include <optional>
@@ -82,9 +83,18 @@ Tokenizer Tokenizer::LoadLlama2c(const std::string& path, int vocab_size) {
     throw LoadError(fmt::format("{}: vocab_size = {} must be >= {} (3 special tokens and 256 byte tokens)", path,
                                 vocab_size, kFirstByteToken + kNumByteTokens));
   }
+  std::error_code error;
+  if (std::filesystem::is_directory(path, error)) {
+    throw LoadError(fmt::format("{}: cannot read tokenizer file: it is a directory", path));
+  }
   std::ifstream in(path, std::ios::binary);
   if (!in) throw LoadError(fmt::format("{}: cannot open tokenizer file: {}", path, std::strerror(errno)));
-  const std::string data{std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+  std::string data;
+  try {  // libstdc++'s filebuf throws std::ios_base::failure on a read error, whatever the mask
+    data.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  } catch (const std::ios_base::failure& e) {
+    throw LoadError(fmt::format("{}: cannot read tokenizer file: {}", path, e.what()));
+  }
   if (in.bad()) throw LoadError(fmt::format("{}: cannot read tokenizer file: {}", path, std::strerror(errno)));
 
   ByteReader reader(data);

@@ -608,6 +608,12 @@ TEST_F(HfLoaderTest, RejectsBadJsonHeaders) {
                                            std::string(8, '\0')),
                      {"header", "repeats the key \"t\""});
   ExpectWeightsError(SafetensorsFromHeader(R"({"__metadata__": [1]})", ""), {"__metadata__"});
+  // A value nested 100,000 deep (200 KB, within the header limit): nlohmann's dump() in the error
+  // message recursed once per level and overflowed the stack (SIGSEGV). 64 levels still parse.
+  const auto nested = [](int depth) { return std::string(depth, '[') + std::string(depth, ']'); };
+  ExpectWeightsError(SafetensorsFromHeader("{\"x\": " + nested(100'000) + "}", ""),
+                     {"header", "more than 64 levels deep"});
+  ExpectWeightsError(SafetensorsFromHeader("{\"x\": " + nested(63) + "}", ""), {"tensor x"});
   ExpectWeightsError(SafetensorsFromHeader(R"({"t": {"dtype": "F32", "shape": [1]}})", std::string(4, '\0')),
                      {"tensor t", "data_offsets"});
   ExpectWeightsError(
@@ -892,6 +898,8 @@ TEST_F(HfLoaderTest, RejectsBrokenShardIndexes) {
   ExpectLoadError({index_path, "weight_map"});
   WriteBytes(index_path, "{\"weight_map\": ");
   ExpectLoadError({index_path, "not valid JSON"});
+  WriteBytes(index_path, "{\"weight_map\": " + std::string(100'000, '[') + std::string(100'000, ']') + "}");
+  ExpectLoadError({index_path, "more than 64 levels deep"});
 }
 
 TEST_F(HfLoaderTest, CorruptedOrTruncatedFilesNeverCrash) {

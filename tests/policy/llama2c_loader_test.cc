@@ -253,6 +253,11 @@ TEST_F(Llama2cFilesTest, CorruptCheckpointsThrowLoadErrorNamingFileAndField) {
   PatchInt32(&bad, 4 * 3, 2);
   PatchInt32(&bad, 4 * 4, 2);
   ExpectLoadError("huge.bin", bad, {"header field", "overflows int64"});
+  // A NaN weight is named with the file (it was found later, as "model: weight ...").
+  bad = good;
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  std::memcpy(&bad[Byte(5 * 64 + 3)], &nan, 4);  // token embedding [5, 3]
+  ExpectLoadError("nan.bin", bad, {"nan.bin: weight model.embed_tokens.weight element [5, 3] is nan"});
 }
 
 // Serializes a tokenizer file from raw fields, so a test can write what the format forbids.
@@ -283,6 +288,8 @@ std::vector<RawEntry> ByteLevelEntries() {
 TEST_F(Llama2cFilesTest, CorruptTokenizersThrowLoadErrorNamingFileAndField) {
   VROLL_REQUIRE_SHARED();
   ExpectTokenizerError(TempPath("missing.bin"), 512, {"cannot open"});
+  // A directory (std::ios_base::failure from the read before, without the path).
+  ExpectTokenizerError(TempPath(""), 512, {"cannot read tokenizer file", "directory"});
   // tok512 holds exactly 512 entries.
   ExpectTokenizerError(Tok512Path(), 600, {"entry 512 of 600 is truncated", "fewer entries than vocab_size 600"});
   const std::string tok512 = ReadBytes(Tok512Path());

@@ -67,6 +67,22 @@ class WeightsChecksumTest(unittest.TestCase):
         self.assertEqual(weights_checksum({"w": torch.from_numpy(base).t()}), expected)
         self.assertEqual(weights_checksum({"w": base.T.astype(">f4")}), expected)
 
+    def test_a_lazily_negated_view_is_sent_with_its_values(self):
+        expected = np.array([-2.0, 4.0], np.float32)
+        for dtype in (torch.float32, torch.float16, torch.bfloat16):
+            with self.subTest(dtype=dtype):
+                negated = torch.tensor([2.0, -4.0], dtype=dtype)._neg_view()  # no numpy() or view() of its own
+                self.assertTrue(negated.is_neg() and negated.is_contiguous())
+                self.assertEqual(weights_checksum({"w": negated}), weights_checksum({"w": expected}))
+                self.assertEqual(bytes(to_wire("w", negated).data),
+                                 bytes(to_wire("w", torch.from_numpy(expected).to(dtype)).data))
+
+    def test_a_meta_tensor_is_a_type_error(self):
+        with self.assertRaisesRegex(TypeError, "'w'.*meta"):
+            weights_checksum({"w": torch.empty(4, device="meta")})
+        with self.assertRaisesRegex(TypeError, "'w'.*meta"):
+            to_wire("w", torch.empty(4, device="meta"))
+
     def test_refuses_other_dtypes_and_types(self):
         with self.assertRaisesRegex(TypeError, "'w'.*float64"):
             weights_checksum({"w": np.zeros(2)})

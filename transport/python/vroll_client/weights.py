@@ -58,15 +58,24 @@ class WireTensor:
         return self.data.nbytes
 
 
+def _cpu_values(name: str, value: Any) -> Any:
+    """A torch tensor's values on the CPU, detached, with a lazy negation applied."""
+    t = value.detach()
+    if t.device.type == "meta":
+        raise TypeError(f"tensor {name!r} is on device 'meta': it has no values to send "
+                        "(materialize it first, e.g. with load_state_dict or to_empty)")
+    if t.device.type != "cpu":
+        t = t.to("cpu")
+    # A lazily negated view (c.conj().imag, _neg_view()) has no numpy() or view() of its own.
+    return t.resolve_neg()
+
+
 def _numpy_wire_array(name: str, value: Any) -> Tuple[str, np.ndarray]:
     """(protocol dtype, C-contiguous little-endian numpy array) for a tensor or array."""
     if _is_torch_tensor(value):
         import torch  # already imported by the caller: this is a dictionary lookup
 
-        t = value.detach()
-        if t.device.type != "cpu":
-            t = t.to("cpu")
-        t = t.contiguous()
+        t = _cpu_values(name, value).contiguous()
         if t.dtype == torch.float32:
             return "float32", t.numpy()
         if t.dtype == torch.float16:
@@ -137,7 +146,7 @@ def _float32_le(name: str, value: Any) -> np.ndarray:
         if value.dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise TypeError(f"tensor {name!r} has dtype {value.dtype}; expected float32, "
                             "float16 or bfloat16")
-        return value.detach().to(device="cpu", dtype=torch.float32).contiguous().numpy()
+        return _cpu_values(name, value).to(dtype=torch.float32).contiguous().numpy()
     if isinstance(value, np.ndarray):
         if value.dtype.kind != "f" or value.dtype.itemsize not in (2, 4):
             raise TypeError(f"array {name!r} has dtype {value.dtype}; expected float32 or float16")
