@@ -510,6 +510,69 @@ class TwoWorkersTest(unittest.TestCase):
         self.assertEqual(self.versions(), before)
         self.client.push_weights(make_weights(seed=10), version=max(before) + 1, rope_layout=None)
 
+    def test_a_push_interrupted_inside_a_chunk_is_aborted_and_the_client_stays_usable(self):
+        # Ctrl-C lands after worker 0's chunk header was queued and before its bytes: the half
+        # message used to stay on the socket (the next request became its bytes: health timed
+        # out), and the update stayed open on both workers (a push from this client then failed
+        # busy until their update_timeout_ms).
+        before = self.versions()
+        client = VrollClient(self.endpoints, timeout_s=10)
+        try:
+            sock = client._workers[0].socket
+            real_send = sock.send
+            calls = {"chunks": 0}
+
+            def interrupted_send(data, flags=0, copy=True, track=False):
+                if flags & zmq.SNDMORE == 0 and calls.get("header_pending"):
+                    calls["chunks"] += 1
+                    if calls["chunks"] == 3:
+                        raise KeyboardInterrupt
+                calls["header_pending"] = bool(flags & zmq.SNDMORE)
+                return real_send(data, flags, copy=copy, track=track)
+
+            sock.send = interrupted_send
+            with self.assertRaises(KeyboardInterrupt):
+                client.push_weights(make_weights(seed=11), version=max(before) + 1,
+                                    chunk_bytes=1024, rope_layout=None)
+            self.assertEqual(calls["chunks"], 3)
+            health = client.health(timeout_s=5)
+            self.assertEqual([h["policy_version"] for h in health.values()], before)
+            self.assertEqual(health[self.endpoints[1]]["update_version"], 0)  # aborted
+            # Worker 0 drops the update of the closed socket at the next begin at the latest.
+            acks = client.push_weights(make_weights(seed=11), version=max(before) + 1,
+                                       rope_layout=None, busy_wait_s=0)
+            self.assertEqual([a.version for a in acks], [max(before) + 1] * 2)
+        finally:
+            client.close(linger_ms=0)
+
+    def test_a_call_from_a_second_thread_is_refused_while_the_first_is_inside(self):
+        client = VrollClient(self.endpoints, timeout_s=60)
+        errors = []
+
+        def call_health():
+            try:
+                client.health()
+                errors.append(None)
+            except RuntimeError as exc:
+                errors.append(exc)
+
+        try:
+            it = client.generate_iter([[1, 2, 3], [1, 4]], SamplingParams(max_tokens=4), n=2)
+            next(it)  # the iteration is open: this thread is inside the client
+            other = threading.Thread(target=call_health, name="second")
+            other.start()
+            other.join()
+            self.assertIsInstance(errors[0], RuntimeError)
+            self.assertRegex(str(errors[0]), r"thread 'second'.*thread 'MainThread'.*generate_iter")
+            self.assertEqual(len(list(it)), 1)  # the first thread's iteration is unharmed
+            # Between calls, a client may move to another thread.
+            other = threading.Thread(target=call_health, name="third")
+            other.start()
+            other.join()
+            self.assertIsNone(errors[1])
+        finally:
+            client.close(linger_ms=0)
+
     def test_generate_iter_yields_groups_as_they_complete_and_an_early_exit_aborts_the_rest(self):
         short, long_ = SamplingParams(temperature=1.0, max_tokens=4), SamplingParams(
             temperature=1.0, max_tokens=240)

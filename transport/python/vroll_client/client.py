@@ -16,10 +16,12 @@ Weight update with several workers (two-phase):
 from __future__ import annotations
 
 import collections
+import functools
 import itertools
 import logging
 import math
 import numbers
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -53,6 +55,22 @@ _ITERATING_MESSAGE = (
     "`break` ends it only in `for out in client.generate_iter(...)`; an iterator kept in a variable "
     "stays open after a `break` out of a loop over it until its close() (which aborts its "
     "unfinished requests) or until it is garbage-collected")
+
+#: How long push_weights waits for the update_abort acks after an interrupt (Ctrl-C).
+_INTERRUPT_ABORT_TIMEOUT_S = 2.0
+
+
+def _exclusive(method: Callable[..., Any]) -> Callable[..., Any]:
+    """Runs a public method of VrollClient as the one call inside the client (_enter)."""
+    @functools.wraps(method)
+    def wrapper(self: "VrollClient", *args: Any, **kwargs: Any) -> Any:
+        self._enter(method.__name__)
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self._leave()
+    return wrapper
+
 
 #: RoPE inverse-frequency buffers in older transformers state_dict()s: not parameters.
 _ROTARY_BUFFER_SUFFIX = ".rotary_emb.inv_freq"
@@ -320,15 +338,21 @@ class _PendingRequest:
 class VrollClient:
     """A client of one or more vroll workers (docs/PROTOCOL.md, docs/SCALE_OUT.md).
 
-    Thread safety: none. A client and its sockets belong to the thread that uses it; use one
+    Thread safety: none. A client and its sockets belong to one thread at a time; use one
     client per thread (several clients may talk to the same workers at once, e.g. one
-    generating while another pushes weights).
+    generating while another pushes weights). A call made from another thread while one is
+    inside the client (a generate_iter iteration counts from its start to its end) raises
+    RuntimeError naming both threads, before anything is sent. Handing a client from one
+    thread to another between calls is fine.
 
     Errors: a caller's bad argument raises TypeError/ValueError before anything is sent; a
     worker's ``error`` reply raises WorkerError (code, field, message, worker); a worker that
     owes a reply and stays silent for ``timeout_s`` raises VrollTimeoutError; weight updates
     raise WeightUpdateError. All of these derive from VrollError (VrollTimeoutError also from
-    TimeoutError). After any of them the client stays usable.
+    TimeoutError). After any of them the client stays usable, and after a KeyboardInterrupt
+    too: an interrupted generate aborts its unfinished requests, an interrupted push_weights
+    its update on every worker (waiting at most 2 s for the acks), and a message cut short
+    by the interrupt is dropped with its socket.
     """
 
     def __init__(self, endpoints: Union[str, Sequence[str]],
@@ -404,6 +428,11 @@ class VrollClient:
         self._round_robin = 0
         self._iterating = False  # a generate()/generate_iter() collection is under way
         self._closed = False
+        # The call inside the client (_enter): (thread ident, thread name, method) and how deep
+        # (a public method calling another), held from start to end of a generate_iter iteration.
+        self._busy = threading.Lock()
+        self._busy_owner: Optional[Tuple[int, str, str]] = None
+        self._busy_depth = 0
 
     @staticmethod
     def _server_keys(endpoints: List[str], key: Any) -> List[Optional[bytes]]:
@@ -447,6 +476,31 @@ class VrollClient:
     # -----------------------------------------------------------------------------------------
     # Plumbing: ids, send, receive, one request per worker.
 
+    def _enter(self, call: str) -> None:
+        """Marks `call` as inside the client on this thread. Raises RuntimeError, before anything
+        is sent, while another thread is inside it: the sockets are not thread-safe, and two
+        threads interleaving (one half of a message from each, a reply read by the other) fail
+        in misleading ways, or an applied push raises."""
+        me = threading.get_ident()
+        owner = self._busy_owner
+        if owner is not None and owner[0] == me:  # a call made by the call inside, or in its loop body
+            self._busy_depth += 1
+            return
+        if not self._busy.acquire(blocking=False):
+            owner = self._busy_owner or (0, "another thread", "a call")
+            raise RuntimeError(
+                f"VrollClient.{call}() called from thread {threading.current_thread().name!r} while thread "
+                f"{owner[1]!r} is in VrollClient.{owner[2]}(): a client belongs to one thread at a time "
+                "(its ZeroMQ sockets are not thread-safe); give each thread its own VrollClient")
+        self._busy_owner = (me, threading.current_thread().name, call)
+        self._busy_depth = 1
+
+    def _leave(self) -> None:
+        self._busy_depth -= 1
+        if self._busy_depth == 0:
+            self._busy_owner = None
+            self._busy.release()
+
     def _next_id(self, kind: str) -> str:
         return f"{self._id_prefix}-{kind}{next(self._ids)}"
 
@@ -470,14 +524,29 @@ class VrollClient:
         blocking: zmq.Again when the worker's queue is full."""
         if self._closed:
             raise VrollError("the client is closed")
+        parts = [protocol.encode(header), *frames]
+        flags = 0 if block else zmq.NOBLOCK
+        num_sent = 0
         try:
-            worker.socket.send_multipart([protocol.encode(header), *frames], copy=False,
-                                         flags=0 if block else zmq.NOBLOCK)
+            # Frame by frame, as send_multipart does. ZeroMQ takes the later frames of a message
+            # whose first one it took (the high-water mark counts whole messages), so only the
+            # first can raise zmq.Again.
+            for i, part in enumerate(parts):
+                worker.socket.send(part, flags | (zmq.SNDMORE if i + 1 < len(parts) else 0), copy=False)
+                num_sent = i + 1
         except zmq.Again:
             if not block:
                 raise
             raise VrollTimeoutError(worker.endpoint, f"sending {request or header['type']}",
                                     self.timeout_s) from None
+        except BaseException:
+            # Interrupted (Ctrl-C) part way through a message: the frames queued so far would be
+            # joined to the next message sent on this socket (a chunk header with the next
+            # request as its bytes). A new socket drops them; the worker sees a new peer, and
+            # drops the old one's open update at the next update_begin from anyone.
+            if len(parts) > 1 and num_sent < len(parts):
+                self._reset(worker)
+            raise
 
     def _silence_hint(self, worker: _Worker) -> str:
         """What a timeout from a worker never heard from may also mean (VrollTimeoutError)."""
@@ -641,6 +710,7 @@ class VrollClient:
     # -----------------------------------------------------------------------------------------
     # Control.
 
+    @_exclusive
     def health(self, endpoints: Optional[Sequence[str]] = None,
                timeout_s: Optional[float] = None) -> Dict[str, Dict[str, Any]]:
         """{endpoint: health reply}: ``ok`` (bool), ``policy_version`` (int), ``model`` (map:
@@ -660,6 +730,7 @@ class VrollClient:
         """
         return self._control("health", endpoints, timeout_s)
 
+    @_exclusive
     def wait_ready(self, timeout_s: float = 120.0,
                    endpoints: Optional[Sequence[str]] = None) -> Dict[str, Dict[str, Any]]:
         """Blocks until every worker answers ``health`` with ok true (e.g. after starting them);
@@ -673,27 +744,32 @@ class VrollClient:
                 raise VrollError(f"{endpoint}: health reports ok = false: {reply}")
         return health
 
+    @_exclusive
     def stats(self, endpoints: Optional[Sequence[str]] = None,
               timeout_s: Optional[float] = None) -> Dict[str, Dict[str, Any]]:
         """{endpoint: engine stats} (num_running, num_waiting, blocks, prefix_hit_rate,
         tokens_per_second, policy_version, ...: docs/PROTOCOL.md). Errors as health()."""
         return self._control("stats", endpoints, timeout_s)
 
+    @_exclusive
     def flush_cache(self, endpoints: Optional[Sequence[str]] = None,
                     timeout_s: Optional[float] = None) -> Dict[str, Dict[str, Any]]:
         """Drops every unreferenced prefix-cache block on each worker. Errors as health()."""
         return self._control("flush_cache", endpoints, timeout_s)
 
+    @_exclusive
     def pause(self, endpoints: Optional[Sequence[str]] = None,
               timeout_s: Optional[float] = None) -> Dict[str, Dict[str, Any]]:
         """Stops the workers' engine steps (weight updates still apply). Errors as health()."""
         return self._control("pause", endpoints, timeout_s)
 
+    @_exclusive
     def resume(self, endpoints: Optional[Sequence[str]] = None,
                timeout_s: Optional[float] = None) -> Dict[str, Dict[str, Any]]:
         """Resumes paused workers. Errors as health()."""
         return self._control("resume", endpoints, timeout_s)
 
+    @_exclusive
     def shutdown(self, endpoints: Optional[Sequence[str]] = None,
                  timeout_s: Optional[float] = None) -> Dict[str, Dict[str, Any]]:
         """Asks the workers to exit after replying (unfinished samples end ``aborted``).
@@ -703,6 +779,7 @@ class VrollClient:
     # -----------------------------------------------------------------------------------------
     # Generation.
 
+    @_exclusive
     def generate(self, prompts: Union[Sequence[int], Sequence[Sequence[int]]],
                  sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
                  n: Optional[int] = None, min_policy_version: int = 0,
@@ -853,16 +930,20 @@ class VrollClient:
         samples are in. Leaving it early (GeneratorExit included) aborts what is unfinished."""
         if not requests:
             return
-        if self._iterating:
-            raise RuntimeError(_ITERATING_MESSAGE)
-        min_version = max(r.header.get("min_policy_version", 0) for r in requests)
-        if min_version > 0 and len(workers) > 1:
-            workers = self._workers_for_version(workers, min_version)
-        self._iterating = True
+        self._enter("generate_iter")  # held until the iteration ends
         try:
-            yield from self._collect(requests, workers)
+            if self._iterating:
+                raise RuntimeError(_ITERATING_MESSAGE)
+            min_version = max(r.header.get("min_policy_version", 0) for r in requests)
+            if min_version > 0 and len(workers) > 1:
+                workers = self._workers_for_version(workers, min_version)
+            self._iterating = True
+            try:
+                yield from self._collect(requests, workers)
+            finally:
+                self._iterating = False
         finally:
-            self._iterating = False
+            self._leave()
 
     def _collect(self, requests: List[_PendingRequest],
                  workers: List[_Worker]) -> Iterator[_PendingRequest]:
@@ -1091,6 +1172,7 @@ class VrollClient:
     # -----------------------------------------------------------------------------------------
     # Weight updates.
 
+    @_exclusive
     def push_weights(self, named_tensors: Mapping[str, Any], version: int, mode: str = "drain",
                      partial: bool = False, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                      endpoints: Optional[Sequence[str]] = None,
@@ -1105,14 +1187,17 @@ class VrollClient:
         bytes as sent) -> update_chunk per chunk_bytes of each tensor (raw ZeroMQ frames, sent
         zero-copy from the tensors' memory) -> update_commit apply=false (each worker verifies)
         -> update_apply to all only when all verified. Any failure before apply sends
-        update_abort to every worker: all keep their previous version. While it waits for a
+        update_abort to every worker: all keep their previous version. So does an interrupt
+        (KeyboardInterrupt, re-raised once the aborts are acked or after 2 s). While it waits for a
         slow worker, it repeats the begin or the commit to the workers already done every third
         of their update_timeout_ms (a retry they acknowledge again), so that their update stays
         open until the apply.
 
         Args:
           named_tensors: {canonical name: torch.Tensor | numpy.ndarray}: float32, float16 or
-            bfloat16 (sent as raw 2-byte words), any device (copied to CPU) and shape. Must not
+            bfloat16 (sent as raw 2-byte words; the worker runs the values sent, so a trainer
+            pushing bf16 copies of fp32 weights gets the logprobs of the rounded weights), any
+            device (copied to CPU) and shape. Must not
             be modified until the call returns (bytes are sent from its memory). Entries named
             ``*.rotary_emb.inv_freq`` (RoPE buffers, in the state_dict() of older transformers
             versions) are left out, as the worker's Hugging Face loader and vLLM skip them:
@@ -1242,102 +1327,111 @@ class VrollClient:
                 note = _ROPE_LAYOUT_HINT
             return WeightUpdateError(version, update_id, phase, failures, note=note)
 
-        # Phase 0: every worker opens the update (checks the version, names, shapes, dtypes);
-        # those that answer busy are asked again for up to busy_wait_s. Meanwhile the workers
-        # that began are sent the same update_begin again (a retry: acked "begun", nothing
-        # changes) every keep-alive period, so that their update_timeout_ms does not end it.
-        def make_begin(id_: str) -> Dict[str, Any]:
-            return protocol.make_update_begin(update_id, version, manifest, mode, partial, id_,
-                                              rope_layout, base_version)
+        # From the first update_begin until the apply is sent, an interruption (Ctrl-C) or an
+        # unexpected error aborts the update on every worker, as failures do (fail()), so that
+        # it does not stay open there, refusing other pushes as busy until update_timeout_ms.
+        try:
+            # Phase 0: every worker opens the update (checks the version, names, shapes, dtypes);
+            # those that answer busy are asked again for up to busy_wait_s. Meanwhile the workers
+            # that began are sent the same update_begin again (a retry: acked "begun", nothing
+            # changes) every keep-alive period, so that their update_timeout_ms does not end it.
+            def make_begin(id_: str) -> Dict[str, Any]:
+                return protocol.make_update_begin(update_id, version, manifest, mode, partial, id_,
+                                                  rope_layout, base_version)
 
-        busy_deadline = time.monotonic() + max(0.0, busy_wait_s)
-        backoff_s = 0.05
-        begin_on = workers
-        keep_period: Dict[str, float] = {}  # from each worker's begun ack
-        keep_due: Dict[str, float] = {}
-        failures: Dict[str, Exception] = {}
+            busy_deadline = time.monotonic() + max(0.0, busy_wait_s)
+            backoff_s = 0.05
+            begin_on = workers
+            keep_period: Dict[str, float] = {}  # from each worker's begun ack
+            keep_due: Dict[str, float] = {}
+            failures: Dict[str, Exception] = {}
 
-        def note_begun(results: Mapping[str, Any]) -> None:
-            for endpoint, result in results.items():
-                if endpoint in failures:
-                    continue
-                period = _keepalive_period(result)
-                if period is not None:
-                    keep_period[endpoint] = period
-                    keep_due[endpoint] = time.monotonic() + period
+            def note_begun(results: Mapping[str, Any]) -> None:
+                for endpoint, result in results.items():
+                    if endpoint in failures:
+                        continue
+                    period = _keepalive_period(result)
+                    if period is not None:
+                        keep_period[endpoint] = period
+                        keep_due[endpoint] = time.monotonic() + period
 
-        while True:
-            results = self._call(begin_on, make_begin, "update_ack", "update_begin", update=True,
-                                 keepalive=True)
-            failures = self._stage_failures(results, "begun")
-            note_begun(results)
-            busy = [ep for ep, e in failures.items()
-                    if isinstance(e, WorkerError) and e.code == "busy"]
-            if not failures or len(busy) < len(failures) or time.monotonic() >= busy_deadline:
-                break
-            logger.info("update %s: busy on %s; asking again in %.2f s", update_id, busy, backoff_s)
-            retry_at = min(time.monotonic() + backoff_s, busy_deadline)
-            backoff_s = min(2 * backoff_s, 1.0)
-            while True:  # wait for the retry, keeping the begun workers' update open
-                now = time.monotonic()
-                due = [self._by_endpoint[ep] for ep, t in keep_due.items() if t <= now]
-                if due:
-                    kept = self._call(due, make_begin, "update_ack", "update_begin",
-                                      update=True)
-                    kept_failures = self._stage_failures(kept, "begun")
-                    if kept_failures:
-                        failures = {**failures, **kept_failures}
-                        break
-                    note_begun(kept)
-                    continue
-                if now >= retry_at:
+            while True:
+                results = self._call(begin_on, make_begin, "update_ack", "update_begin", update=True,
+                                     keepalive=True)
+                failures = self._stage_failures(results, "begun")
+                note_begun(results)
+                busy = [ep for ep, e in failures.items()
+                        if isinstance(e, WorkerError) and e.code == "busy"]
+                if not failures or len(busy) < len(failures) or time.monotonic() >= busy_deadline:
                     break
-                time.sleep(min([retry_at - now] + [t - now for t in keep_due.values()]))
-            if any(ep not in busy for ep in failures):
-                break
-            # The busy ones again, with the begun ones that take a repeated begin (their acks
-            # said update_timeout_ms): the call keeps those open while it waits for the others.
-            begin_on = [w for w in workers if w.endpoint in busy or w.endpoint in keep_period]
-        if failures:
-            raise fail("begin", failures)
+                logger.info("update %s: busy on %s; asking again in %.2f s", update_id, busy, backoff_s)
+                retry_at = min(time.monotonic() + backoff_s, busy_deadline)
+                backoff_s = min(2 * backoff_s, 1.0)
+                while True:  # wait for the retry, keeping the begun workers' update open
+                    now = time.monotonic()
+                    due = [self._by_endpoint[ep] for ep, t in keep_due.items() if t <= now]
+                    if due:
+                        kept = self._call(due, make_begin, "update_ack", "update_begin",
+                                          update=True)
+                        kept_failures = self._stage_failures(kept, "begun")
+                        if kept_failures:
+                            failures = {**failures, **kept_failures}
+                            break
+                        note_begun(kept)
+                        continue
+                    if now >= retry_at:
+                        break
+                    time.sleep(min([retry_at - now] + [t - now for t in keep_due.values()]))
+                if any(ep not in busy for ep in failures):
+                    break
+                # The busy ones again, with the begun ones that take a repeated begin (their acks
+                # said update_timeout_ms): the call keeps those open while it waits for the others.
+                begin_on = [w for w in workers if w.endpoint in busy or w.endpoint in keep_period]
+            if failures:
+                raise fail("begin", failures)
 
-        # Phase 1a: chunks, interleaved over the workers so that they stage in parallel.
-        failures = self._send_chunks(workers, update_id, tensors, chunk_bytes)
-        if failures:
-            raise fail("stage", failures)
+            # Phase 1a: chunks, interleaved over the workers so that they stage in parallel.
+            failures = self._send_chunks(workers, update_id, tensors, chunk_bytes)
+            if failures:
+                raise fail("stage", failures)
 
-        # Phase 1b: every worker verifies (completeness, shapes, checksums) without applying.
-        chunk_errors: Dict[str, Exception] = {}
+            # Phase 1b: every worker verifies (completeness, shapes, checksums) without applying.
+            chunk_errors: Dict[str, Exception] = {}
 
-        def on_chunk_error(w: _Worker, header: Dict[str, Any]) -> bool:
-            return self._take_chunk_error(w, header, update_id, chunk_errors)
+            def on_chunk_error(w: _Worker, header: Dict[str, Any]) -> bool:
+                return self._take_chunk_error(w, header, update_id, chunk_errors)
 
-        # A worker that has verified waits for the others: its commit is repeated (a retry: acked
-        # "verified" again) every keep-alive period, so that its update_timeout_ms does not end
-        # the update before the apply, which would apply it on the other workers only.
-        results = self._call(
-            workers, lambda id_: protocol.make_update_commit(update_id, False, id_),
-            "update_ack", "update_commit(apply=false)", on_other=on_chunk_error, update=True,
-            keepalive=True)
-        if chunk_errors:
-            timed_out = [ep for ep, result in results.items()  # reset: not awaited for the abort
-                         if isinstance(result, VrollTimeoutError)]
-            for endpoint in timed_out:
-                chunk_errors.setdefault(endpoint, results[endpoint])
-            # A worker's shutdown notice (its commit result here) says more than the errors of
-            # the chunks it refused after it: its update is gone, no abort is needed.
-            for endpoint, result in results.items():
-                if isinstance(result, WorkerError) and result.code == "shutting_down":
-                    chunk_errors[endpoint] = result
-            raise fail("stage", chunk_errors, timed_out)
-        failures = self._stage_failures(results, "verified")
-        if failures:
-            raise fail("verify", failures)
+            # A worker that has verified waits for the others: its commit is repeated (a retry: acked
+            # "verified" again) every keep-alive period, so that its update_timeout_ms does not end
+            # the update before the apply, which would apply it on the other workers only.
+            results = self._call(
+                workers, lambda id_: protocol.make_update_commit(update_id, False, id_),
+                "update_ack", "update_commit(apply=false)", on_other=on_chunk_error, update=True,
+                keepalive=True)
+            if chunk_errors:
+                timed_out = [ep for ep, result in results.items()  # reset: not awaited for the abort
+                             if isinstance(result, VrollTimeoutError)]
+                for endpoint in timed_out:
+                    chunk_errors.setdefault(endpoint, results[endpoint])
+                # A worker's shutdown notice (its commit result here) says more than the errors of
+                # the chunks it refused after it: its update is gone, no abort is needed.
+                for endpoint, result in results.items():
+                    if isinstance(result, WorkerError) and result.code == "shutting_down":
+                        chunk_errors[endpoint] = result
+                raise fail("stage", chunk_errors, timed_out)
+            failures = self._stage_failures(results, "verified")
+            if failures:
+                raise fail("verify", failures)
 
-        # Phase 2: all verified: apply everywhere.
-        results = self._call(
-            workers, lambda id_: protocol.make_update_apply(update_id, id_), "update_ack",
-            "update_apply", apply_timeout_s, update=True)
+            # Phase 2: all verified: apply everywhere.
+            results = self._call(
+                workers, lambda id_: protocol.make_update_apply(update_id, id_), "update_ack",
+                "update_apply", apply_timeout_s, update=True)
+        except VrollError:
+            raise  # WeightUpdateError from fail(), which aborted the update
+        except BaseException:
+            self._abort_interrupted_update(workers, update_id)
+            raise
         failures = self._stage_failures(results, "applied")
         acks = [UpdateAck.from_reply(ep, r) for ep, r in results.items() if ep not in failures]
         if failures:
@@ -1513,16 +1607,31 @@ class VrollClient:
                         return errors
         return errors
 
-    def _abort_update(self, workers: Sequence[_Worker], update_id: str) -> None:
+    def _abort_update(self, workers: Sequence[_Worker], update_id: str,
+                      timeout_s: float = _ABORT_TIMEOUT_S) -> None:
         """update_abort to each worker, waiting briefly for the acks; errors (an update the
         worker never opened) are expected and only logged."""
         results = self._call(workers, lambda id_: protocol.make_update_abort(update_id, id_),
-                             "update_ack", "update_abort", min(self.timeout_s, _ABORT_TIMEOUT_S),
+                             "update_ack", "update_abort", min(self.timeout_s, timeout_s),
                              on_other=lambda w, h: (h.get("id") or "").startswith(update_id + "."))
         for endpoint, result in results.items():
             if isinstance(result, Exception):
                 logger.info("%s: update_abort %s: %s", endpoint, update_id, result)
 
+    def _abort_interrupted_update(self, workers: Sequence[_Worker], update_id: str) -> None:
+        """push_weights interrupted (Ctrl-C) or failing unexpectedly: update_abort everywhere,
+        waiting at most _INTERRUPT_ABORT_TIMEOUT_S for the acks; a second interruption ends the
+        wait. A worker whose socket was reset (a chunk cut short, _send) refuses the abort from
+        the new one, and drops the update at the next update_begin from anyone instead. An
+        update already being applied can no longer be aborted (its worker says so)."""
+        logger.warning("update %s interrupted: aborting it on %s", update_id,
+                       ", ".join(w.endpoint for w in workers))
+        try:
+            self._abort_update(workers, update_id, _INTERRUPT_ABORT_TIMEOUT_S)
+        except BaseException as exc:  # a second Ctrl-C
+            logger.warning("update %s: update_abort cut short: %r", update_id, exc)
+
+    @_exclusive
     def ensure_weights(self, named_tensors: Mapping[str, Any], version: int, mode: str = "drain",
                        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                        endpoints: Optional[Sequence[str]] = None,
