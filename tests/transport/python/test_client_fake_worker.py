@@ -421,7 +421,25 @@ class GenerateTest(FakeWorkerTestCase):
         sent = [h for w in self.workers for t, h in w.received if t == "generate"][-1]
         self.assertEqual(sent["sampling"]["top_k"], 0)
         self.assertEqual(sent["sampling"]["stop_token_ids"], [])
-        self.assertEqual(SamplingParams(top_k=-2).to_wire()["top_k"], -2)  # the worker's to refuse
+        # Values outside the worker's ranges are refused before anything is sent, with vLLM's
+        # names (the worker named max_tokens=0 sampling.max_new_tokens, after a round trip).
+        bad = [(dict(top_k=-2), "sampling.top_k = -2 must be >= -1"),
+               (dict(max_tokens=0), "sampling.max_tokens = 0 must be >= 1"),
+               (dict(temperature=-1), "sampling.temperature = -1 must be 0 .greedy. or finite"),
+               (dict(temperature=1e-6), "sampling.temperature = 1e-06 must be 0"),
+               (dict(temperature=float("inf")), "sampling.temperature = inf"),
+               (dict(top_p=0), r"sampling.top_p = 0 must be in \(0, 1\]"),
+               (dict(top_p=1.5), r"sampling.top_p = 1.5 must be in \(0, 1\]"),
+               (dict(top_p=float("nan")), "sampling.top_p = nan")]
+        num_sent = len([h for w in self.workers for t, h in w.received if t == "generate"])
+        for kwargs, message in bad:
+            with self.subTest(**kwargs), self.assertRaisesRegex(ValueError, message):
+                self.client.generate([[1]], SamplingParams(**kwargs))
+        self.assertEqual(len([h for w in self.workers for t, h in w.received if t == "generate"]), num_sent)
+        # The edges of the ranges go out.
+        for kwargs in (dict(temperature=0), dict(temperature=1e-5), dict(top_p=1e-9), dict(top_k=-1),
+                       dict(max_tokens=1)):
+            self.assertIsInstance(SamplingParams(**kwargs).to_wire(), dict)
         # top_k=None (disabled) and max_tokens=None (until the context is full), as vLLM takes them.
         wire = SamplingParams(top_k=None, max_tokens=None).to_wire()
         self.assertEqual((wire["top_k"], wire["max_new_tokens"]), (0, 2 ** 31 - 1))

@@ -245,9 +245,9 @@ class TwoWorkersTest(unittest.TestCase):
             self.client.generate([[1, 2], [1, 5, VOCAB + 10]])
         self.assertEqual((cm.exception.code, cm.exception.field), ("bad_field", "prompt[2]"))
         self.assertIn(cm.exception.worker, self.endpoints)
-        with self.assertRaises(WorkerError) as cm:
-            self.client.generate([[1]], SamplingParams(top_p=1.5))
-        self.assertEqual(cm.exception.field, "sampling.top_p")
+        with self.assertRaises(WorkerError) as cm:  # the worker's check (the vocabulary)
+            self.client.generate([[1]], SamplingParams(stop_token_ids=[2, VOCAB]))
+        self.assertEqual(cm.exception.field, "sampling.stop_token_ids[1]")
         self.assertEqual(len(self.client.generate([[1, 2]])[0].outputs), 1)  # still serving
 
     def test_two_phase_push_to_both_then_samples_carry_the_new_version(self):

@@ -40,9 +40,13 @@ class SamplingParams:
         ValueError at construction: list the EOS id in ``stop_token_ids``.
     Other vLLM options (penalties, min_p, min_tokens, best_of, prompt_logprobs, detokenize, ...)
     are not fields: passing one is Python's TypeError "unexpected keyword argument".
-    The worker validates the values and answers a bad one with error ``bad_field`` naming
-    ``sampling.<field>`` by its wire name (docs/PROTOCOL.md): ``max_tokens`` travels as
-    ``max_new_tokens``; the client only checks types (to_wire) and converts them.
+    The client checks types and the ranges above when a request is made (to_wire: TypeError or
+    ValueError naming ``sampling.<field>``, nothing sent), with the worker's rules: temperature
+    0 or finite and >= 1e-5 (vLLM takes a smaller one as greedy: pass 0), top_p in (0, 1],
+    top_k >= -1, max_tokens >= 1. The worker checks again (a stop token id outside the
+    vocabulary, n above its max_num_seqs) and answers a bad value with error ``bad_field``
+    naming ``sampling.<field>`` by its wire name (docs/PROTOCOL.md): ``max_tokens`` travels as
+    ``max_new_tokens``.
 
     Unlike vLLM, no token ends a sample unless it is in ``stop_token_ids``: the end-of-sequence
     token is not implied (vLLM stops at EOS unless ``ignore_eos``). Pass the model's: for the
@@ -89,7 +93,7 @@ class SamplingParams:
           TypeError: temperature or top_p not a number; top_k, max_tokens, seed or a stop token
             id not an int (Python or numpy numbers are fine; bool is neither).
           ValueError: an int msgpack cannot carry (seed outside [0, 2**64), top_k or max_tokens
-            outside [-2**63, 2**64)). Values inside are the worker's to check.
+            outside [-2**63, 2**64)); a value outside the ranges of the class docstring.
           TypeError: include_stop_token not a bool (0 and 1 are accepted; a string such as
             "false" is not: it would have been true).
         """
@@ -105,7 +109,24 @@ class SamplingParams:
         }
         if self.seed is not None:
             wire["seed"] = protocol.wire_int(self.seed, "sampling.seed", 0)
+        # The worker's rules (rollout/sampling_params.h), checked before anything is sent.
+        t = wire["temperature"]
+        if not (t == 0 or (math.isfinite(t) and t >= MIN_TEMPERATURE)):
+            raise ValueError(f"sampling.temperature = {self.temperature!r} must be 0 (greedy) or finite and "
+                             f">= {MIN_TEMPERATURE} (vLLM takes a smaller one as greedy: pass 0)")
+        if not 0 < wire["top_p"] <= 1:
+            raise ValueError(f"sampling.top_p = {self.top_p!r} must be in (0, 1] (1: disabled)")
+        if wire["top_k"] < 0:
+            raise ValueError(f"sampling.top_k = {self.top_k!r} must be >= -1 (-1, 0 or None: disabled)")
+        if wire["max_new_tokens"] < 1:
+            raise ValueError(f"sampling.max_tokens = {self.max_tokens!r} must be >= 1 (None: until the context "
+                             "is full)")
         return wire
+
+
+#: The smallest temperature above 0 the workers take (rollout/sampling_params.h kMinTemperature):
+#: below it, logits / temperature may overflow float32.
+MIN_TEMPERATURE = 1e-5
 
 
 #: max_new_tokens sent for max_tokens=None: the protocol's largest, so the context bounds it.
