@@ -486,6 +486,7 @@ class GenerateIterTest(FakeWorkerTestCase):
         finally:
             slow.delay_with_probes_s = 0.0
         self.assertEqual(sorted(o.prompt_index for o in outs), [0, 1, 2, 3])
+        self.assertTrue(all(o.finished for o in outs))  # vLLM's field
         self.assertEqual({o.prompt_index for o in outs[:2]}, {1, 3})
         for o in outs:
             self.assertEqual(o.prompt_token_ids, prompts[o.prompt_index])

@@ -232,6 +232,12 @@ class RequestOutput:
     worker: str = ""
     prompt_index: int = 0
 
+    @property
+    def finished(self) -> bool:
+        """Always True (vLLM's field): generate and generate_iter return a prompt's output only
+        once all of its samples have finished (an aborted or failed one included)."""
+        return True
+
 
 @dataclass
 class UpdateAck:
